@@ -1,0 +1,381 @@
+"""The scheduler's KV-cache bookkeeping: per-sequence block tables over a device block pool,
+with prefix caching, copy-on-write, fork and swapping to a host pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvmanager.block_pool import BlockPool, NoFreeBlocksError
+from kvmanager.hashing import BlockHash, hash_block_tokens, hash_full_blocks
+from kvmanager.shm_tables import SharedBlockTables
+from kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    gpu_blocks_used: int
+    gpu_blocks_total: int
+    cpu_blocks_used: int
+    cpu_blocks_total: int
+    usage: float                # gpu_blocks_used / gpu_blocks_total
+    prefix_queries: int         # prompt tokens looked up by successful allocations
+    prefix_hits: int            # of those, tokens served from the prefix cache
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    block_ids: list[int]            # device ids, or host ids while swapped
+    num_tokens: int                 # slots reserved
+    cache_salt: str | None
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of its leading full blocks
+    row: int = -1                   # row in the shared block tables, -1 without them
+    swapped: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of live sequences; every block's refcount equals its table references."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0, *,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 block_tables: SharedBlockTables | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        link_pools(self.gpu_pool, self.cpu_pool)
+        self.block_tables = block_tables
+        self._free_rows: list[int] = []
+        if block_tables is not None:
+            if not block_tables.is_owner:
+                raise ValueError("the manager must own its shared block tables, not attach them")
+            self._free_rows = list(range(block_tables.max_num_seqs - 1, -1, -1))
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu_pool.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.gpu_pool.num_used_blocks / self.num_gpu_blocks
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block ids in order (host ids while it is swapped out)."""
+        return list(self._seq(seq_id).block_ids)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Token slots reserved for the sequence; its table holds cdiv(that, block_size) blocks."""
+        return self._seq(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._seq(seq_id).swapped
+
+    def row_of(self, seq_id: int) -> int:
+        """The sequence's row in the shared block tables (stable from allocate to free)."""
+        if self.block_tables is None:
+            raise ValueError("this manager was built without shared block tables")
+        return self._seq(seq_id).row
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            gpu_blocks_used=self.gpu_pool.num_used_blocks, gpu_blocks_total=self.num_gpu_blocks,
+            cpu_blocks_used=self.cpu_pool.num_used_blocks, cpu_blocks_total=self.num_cpu_blocks,
+            usage=self.usage, prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def _cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None):
+        """Hashes and blocks of the longest cached run of leading full blocks, leaving at least
+        the last prompt token to compute (its logits are needed)."""
+        hashes: list[BlockHash] = []
+        blocks = []
+        if not self.enable_prefix_caching or not token_ids:
+            return hashes, blocks
+        bs = self.block_size
+        cached = self.gpu_pool.cached_blocks
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], cache_salt)
+            block = cached.get(parent)
+            if block is None:
+                break
+            hashes.append(parent)
+            blocks.append(block)
+        return hashes, blocks
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens already cached: whole blocks, always < len(token_ids). No side effect."""
+        return len(self._cached_prefix(token_ids, cache_salt)[1]) * self.block_size
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Full blocks among the first ``num_computed_tokens`` become findable by their hash."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seq(seq_id)
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; cache its blocks before swapping")
+        if num_computed_tokens > seq.num_tokens:
+            raise ValueError(f"seq {seq_id}: num_computed_tokens {num_computed_tokens} exceeds "
+                             f"its {seq.num_tokens} reserved slots")
+        if num_computed_tokens > len(token_ids):
+            raise ValueError(f"seq {seq_id}: num_computed_tokens {num_computed_tokens} exceeds "
+                             f"the {len(token_ids)} token ids given")
+        bs = self.block_size
+        start = len(seq.block_hashes)
+        num_full = num_computed_tokens // bs
+        if num_full <= start:
+            return
+        new_hashes = hash_full_blocks(
+            token_ids, bs, seq.cache_salt, start=start,
+            parent_hash=seq.block_hashes[-1] if start else None, max_blocks=num_full - start)
+        blocks = self.gpu_pool.blocks
+        for i, block_hash in enumerate(new_hashes, start):
+            self.gpu_pool.cache_block(blocks[seq.block_ids[i]], block_hash)
+            seq.block_hashes.append(block_hash)
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def _fresh_blocks_needed(self, num_new_tokens: int, num_cached_tokens: int) -> int:
+        bs = self.block_size
+        return _cdiv(num_cached_tokens + num_new_tokens, bs) - num_cached_tokens // bs
+
+    def can_allocate(self, num_new_tokens: int, *, num_cached_tokens: int = 0) -> bool:
+        """Fresh blocks for the new tokens fit while leaving the watermark of free blocks."""
+        needed = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
+        return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
+                 cache_salt: str | None = None) -> int | None:
+        """New sequence takes its cached prefix plus fresh blocks for ``num_new_tokens`` more.
+
+        Returns the number of cached tokens, or None with nothing changed if blocks are short.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"seq {seq_id} is already allocated")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hashes, cached = self._cached_prefix(token_ids, cache_salt)
+        num_cached_tokens = len(cached) * self.block_size
+        num_fresh = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
+        num_revived = sum(1 for block in cached if block.ref_cnt == 0)
+        self._check_table_width(seq_id, len(cached) + num_fresh)
+        if num_fresh + num_revived > self.gpu_pool.num_free_blocks:
+            return None
+        if self.block_tables is not None and not self._free_rows:
+            raise RuntimeError(
+                f"cannot allocate seq {seq_id}: all {self.block_tables.max_num_seqs} "
+                f"block-table rows are in use (max_num_seqs)")
+        self.gpu_pool.touch(cached)
+        block_ids = [b.block_id for b in cached]
+        block_ids.extend(b.block_id for b in self.gpu_pool.allocate(num_fresh))
+        seq = _SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes)
+        if self.block_tables is not None:
+            seq.row = self._free_rows.pop()
+            self._write_row(seq)
+        self._seqs[seq_id] = seq
+        if self.enable_prefix_caching:
+            self._prefix_queries += len(token_ids)
+            self._prefix_hits += num_cached_tokens
+        return num_cached_tokens
+
+    def num_blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
+        """Free blocks append_slots(seq_id, num_new_tokens) would take, copy-on-write included."""
+        seq = self._seq(seq_id)
+        return self._append_need(seq, num_new_tokens)[0]
+
+    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self.num_blocks_to_append(seq_id, num_new_tokens) <= self.gpu_pool.num_free_blocks
+
+    def _append_need(self, seq: _SeqBlocks, num_new_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        n = seq.num_tokens
+        num_new_blocks = _cdiv(n + num_new_tokens, bs) - len(seq.block_ids)
+        cow = (num_new_tokens > 0 and n % bs != 0
+               and self.gpu_pool.blocks[seq.block_ids[-1]].ref_cnt > 1)
+        return num_new_blocks + cow, cow
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Reserve ``num_new_tokens`` more slots; a shared partial last block is copied first.
+
+        Returns the copy-on-write (src, dst) pairs (usually none), or None with nothing changed
+        if the device pool is short.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped or num_new_tokens < 0:
+            self._reject_append(seq_id, seq, num_new_tokens)
+        n = seq.num_tokens
+        block_ids = seq.block_ids
+        # Hot path: the new slots fit in a last block that only this sequence holds.
+        if (n + num_new_tokens <= len(block_ids) * self.block_size
+                and (num_new_tokens == 0
+                     or self.gpu_pool.blocks[block_ids[-1]].ref_cnt == 1)):
+            seq.num_tokens = n + num_new_tokens
+            return []
+        needed, cow = self._append_need(seq, num_new_tokens)
+        if needed > self.gpu_pool.num_free_blocks:
+            return None
+        self._check_table_width(seq_id, len(block_ids) + needed - cow)
+        fresh = self.gpu_pool.allocate(needed)
+        copies = []
+        first_new = len(block_ids)
+        if cow:
+            src = self.gpu_pool.blocks[block_ids[-1]]
+            dst = fresh.pop(0)
+            src.ref_cnt -= 1  # still > 0: another sequence holds it
+            block_ids[-1] = dst.block_id
+            copies.append((src.block_id, dst.block_id))
+            first_new -= 1
+        block_ids.extend(b.block_id for b in fresh)
+        seq.num_tokens = n + num_new_tokens
+        if seq.row >= 0:
+            self.block_tables.array[seq.row, first_new:len(block_ids)] = block_ids[first_new:]
+        return copies
+
+    def _reject_append(self, seq_id: int, seq: _SeqBlocks | None, num_new_tokens: int):
+        if seq is None:
+            raise KeyError(f"seq {seq_id} is not allocated (never allocated or already freed)")
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; swap it in before appending")
+        raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into seq {child_id}: it is already allocated")
+        if parent.swapped:
+            raise ValueError(f"cannot fork seq {parent_id}: it is swapped out")
+        if self.block_tables is not None and not self._free_rows:
+            raise RuntimeError(f"cannot fork seq {parent_id}: all "
+                               f"{self.block_tables.max_num_seqs} block-table rows are in use")
+        blocks = self.gpu_pool.blocks
+        self.gpu_pool.touch(blocks[b] for b in parent.block_ids)
+        child = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.cache_salt,
+                           list(parent.block_hashes))
+        if self.block_tables is not None:
+            child.row = self._free_rows.pop()
+            self._write_row(child)
+        self._seqs[child_id] = child
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence and its references, tail block first (prefixes outlive suffixes)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"cannot free seq {seq_id}: it is not allocated "
+                           f"(never allocated or already freed)")
+        pool = self.cpu_pool if seq.swapped else self.gpu_pool
+        pool.free(pool.blocks[b] for b in reversed(seq.block_ids))
+        if seq.row >= 0:
+            self.block_tables.array[seq.row].fill(-1)
+            self._free_rows.append(seq.row)
+
+    # ---- swapping --------------------------------------------------------------------------
+
+    def _swap_need(self, seq: _SeqBlocks, to_cpu: bool) -> int:
+        src, dst = (self.gpu_pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.gpu_pool)
+        return num_blocks_to_swap(src, dst, seq.block_ids, seq.num_tokens // self.block_size)
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        """The host pool has room for the sequence's blocks not already copied there."""
+        seq = self._seq(seq_id)
+        return not seq.swapped and self._swap_need(seq, True) <= self.cpu_pool.num_free_blocks
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        """The device pool has room for the sequence's blocks above the watermark."""
+        seq = self._seq(seq_id)
+        if not seq.swapped:
+            return False
+        needed = self._swap_need(seq, False)
+        return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move the sequence to the host pool; returns (gpu_block, cpu_block) pairs to copy."""
+        seq = self._seq(seq_id)
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is already swapped out")
+        new_ids, mapping = swap_blocks(self.gpu_pool, self.cpu_pool, seq.block_ids,
+                                       seq.num_tokens // self.block_size,
+                                       f"swap_out of seq {seq_id} (host pool)")
+        seq.block_ids = new_ids
+        seq.swapped = True
+        if seq.row >= 0:
+            self.block_tables.array[seq.row].fill(-1)
+        return mapping
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Bring the sequence back to the device pool; returns (cpu_block, gpu_block) pairs.
+
+        Raises NoFreeBlocksError, changing nothing, when it cannot fit.
+        """
+        seq = self._seq(seq_id)
+        if not seq.swapped:
+            raise ValueError(f"seq {seq_id} is not swapped out")
+        new_ids, mapping = swap_blocks(self.cpu_pool, self.gpu_pool, seq.block_ids,
+                                       seq.num_tokens // self.block_size,
+                                       f"swap_in of seq {seq_id} (device pool)")
+        seq.block_ids = new_ids
+        seq.swapped = False
+        blocks = self.gpu_pool.blocks
+        for block_id, block_hash in zip(new_ids, seq.block_hashes):
+            self.gpu_pool.cache_block(blocks[block_id], block_hash)
+        if seq.row >= 0:
+            self._write_row(seq)
+        return mapping
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _seq(self, seq_id: int) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"seq {seq_id} is not allocated (never allocated or already freed)")
+        return seq
+
+    def _check_table_width(self, seq_id: int, num_blocks: int) -> None:
+        if self.block_tables is not None and num_blocks > self.block_tables.max_blocks_per_seq:
+            raise ValueError(
+                f"seq {seq_id} would need {num_blocks} blocks but the shared block tables "
+                f"hold at most {self.block_tables.max_blocks_per_seq} per sequence")
+
+    def _write_row(self, seq: _SeqBlocks) -> None:
+        row = self.block_tables.array[seq.row]
+        n = len(seq.block_ids)
+        row[:n] = seq.block_ids
+        row[n:] = -1
+
+
+__all__ = ["KVCacheManager", "KVStats", "NoFreeBlocksError"]
