@@ -1,0 +1,95 @@
+"""Paged-KV-cache kernels: Triton on CUDA tensors, their torch references otherwise.
+
+KV cache layout (docs/INTERFACES.md): kv_cache[num_layers, 2, num_blocks, block_size, Hkv, D],
+index 0 = K, 1 = V; the attention kernels and store_kv take the layer views kv_cache[l, 0] and
+kv_cache[l, 1]. Each kernels/<name>.py holds the Triton kernel, its wrapper <name>_triton and
+the torch reference <name>_ref of the same signature.
+
+Backend choice: PAGEDSERVE_KERNELS=auto (default: Triton for CUDA tensors, torch otherwise),
+=triton (always Triton: with TRITON_INTERPRET=1 this runs the kernels on CPU, for tests) or
+=torch (always the references). It is read once at import; set_backend() changes it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import copy_blocks as _copy_blocks
+from . import paged_decode_attention as _decode
+from . import paged_prefill_attention as _prefill
+from . import store_kv as _store_kv
+from .swap_blocks import swap_blocks_ref
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Select the kernel backend: "auto", "triton" or "torch"."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"PAGEDSERVE_KERNELS={name!r}: expected one of {', '.join(BACKENDS)}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a kernel called on `tensor` runs the Triton version."""
+    return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
+
+
+set_backend(os.environ.get("PAGEDSERVE_KERNELS", "auto"))
+
+
+# The Triton wrappers are looked up on their modules at call time (not bound at import) so that
+# tests can reload a module under TRITON_INTERPRET=1.
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache[slot_mapping[t]] = key/value[t], in place; slot -1 is skipped."""
+    if use_triton(k_cache):
+        return _store_kv.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    return _store_kv.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1."""
+    if use_triton(q):
+        return _decode.paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
+                                                     context_lens, scale)
+    return _decode.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
+                                              scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """out[T, Hq, D]: each sequence's query chunk, causally, against its cached prefix + itself."""
+    if use_triton(q):
+        return _prefill.paged_prefill_attention_triton(q, k_cache, v_cache, block_tables,
+                                                       cu_seqlens_q, context_lens, scale)
+    return _prefill.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                context_lens, scale)
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """kv_cache[:, :, dst] = kv_cache[:, :, src] for every (src, dst) row of block_mapping."""
+    if use_triton(kv_cache):
+        return _copy_blocks.copy_blocks_triton(kv_cache, block_mapping)
+    return _copy_blocks.copy_blocks_ref(kv_cache, block_mapping)
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                block_mapping: torch.Tensor) -> None:
+    """dst_cache[:, :, dst] = src_cache[:, :, src], between the device and the host pool."""
+    return swap_blocks_ref(src_cache, dst_cache, block_mapping)
+
+
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
+           "swap_blocks", "set_backend", "get_backend", "use_triton"]

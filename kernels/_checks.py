@@ -1,0 +1,75 @@
+"""Argument checks shared by the Triton wrappers and the torch references.
+
+They only read shapes, dtypes, devices and strides (never tensor values), so they cost
+microseconds and never synchronize a device.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless condition holds (unlike assert, survives python -O)."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_cache_pair(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache and v_cache are layer views [num_blocks, block_size, Hkv, D] with equal layout."""
+    require(k_cache.dim() == 4,
+            f"{name}: k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    require(v_cache.shape == k_cache.shape,
+            f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    require(v_cache.dtype == k_cache.dtype,
+            f"{name}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    require(v_cache.device == k_cache.device,
+            f"{name}: v_cache on {v_cache.device} but k_cache on {k_cache.device}")
+    require(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
+            f"{name}: the head_dim axis of the caches must have stride 1, got strides "
+            f"{k_cache.stride()} and {v_cache.stride()}")
+
+
+def check_int_tensor(name: str, arg: str, t: torch.Tensor, dims: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    require(t.dim() == dims, f"{name}: {arg} must have {dims} dims, got shape {tuple(t.shape)}")
+    require(t.dtype == dtype, f"{name}: {arg} must be {dtype}, got {t.dtype}")
+    require(t.device == device, f"{name}: {arg} is on {t.device} but the cache is on {device}")
+
+
+def check_query(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """q is [N, Hq, D] matching the cache; returns (N, Hq, Hkv, D)."""
+    require(q.dim() == 3, f"{name}: q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    require(head_dim == k_cache.shape[3],
+            f"{name}: q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    require(num_q_heads % num_kv_heads == 0,
+            f"{name}: Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    require(q.dtype == k_cache.dtype, f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    require(q.device == k_cache.device, f"{name}: q on {q.device} but cache on {k_cache.device}")
+    require(q.stride(-1) == 1, f"{name}: q's head_dim axis must have stride 1, got {q.stride()}")
+    return n, num_q_heads, num_kv_heads, head_dim
+
+
+def check_block_mapping(name: str, block_mapping: torch.Tensor) -> None:
+    require(block_mapping.dim() == 2 and block_mapping.shape[1] == 2,
+            f"{name}: block_mapping must be [N, 2] (src, dst), got shape {tuple(block_mapping.shape)}")
+    require(block_mapping.dtype == torch.int64,
+            f"{name}: block_mapping must be int64, got {block_mapping.dtype}")
+
+
+LOG2E = 1.4426950408889634
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches get exact fp32 dots; tf32 would cost ~1e-3 relative error.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_triton_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    require(k_cache.stride() == v_cache.stride(),
+            f"{name}: k_cache strides {k_cache.stride()} != v_cache strides {v_cache.stride()}")
+    require(block_size >= 16 and block_size & (block_size - 1) == 0,
+            f"{name}: the Triton kernel needs a power-of-two block_size >= 16, got {block_size}")
+    require(head_dim >= 16, f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}")

@@ -1,0 +1,163 @@
+"""Prefill / chunked-prefill attention over a paged KV cache.
+
+Sequence s owns query rows cu_seqlens_q[s]:cu_seqlens_q[s+1]. context_lens[s] counts all its
+tokens including this chunk, whose K/V are already stored; query i sits at position
+context_lens[s] - q_len + i and attends causally to keys 0 .. that position. This one kernel
+serves first prefills, later chunks of a chunked prefill and prefix-cache hits alike.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
+                      dot_precision, require)
+
+
+def _check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+    check_cache_pair("paged_prefill_attention", k_cache, v_cache)
+    dims = check_query("paged_prefill_attention", q, k_cache)
+    for arg, t, ndim in (("block_tables", block_tables, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
+                         ("context_lens", context_lens, 1)):
+        check_int_tensor("paged_prefill_attention", arg, t, ndim, torch.int32, k_cache.device)
+    num_seqs = context_lens.shape[0]
+    require(block_tables.shape[0] == num_seqs and cu_seqlens_q.shape[0] == num_seqs + 1,
+            f"paged_prefill_attention: {num_seqs} context_lens need {num_seqs} block_tables rows "
+            f"and {num_seqs + 1} cu_seqlens_q entries, got {block_tables.shape[0]} and "
+            f"{cu_seqlens_q.shape[0]}")
+    return dims
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference and CPU serving path.
+
+    Loops over the (few) sequences of a step; within one it gathers the pages up to its context
+    and runs one SDPA over all its query rows and heads (fp32 softmax inside, GQA via
+    enable_gqa). A chunk with no cached prefix uses SDPA's causal mode; a chunk after a prefix
+    needs a bottom-right aligned causal mask, which SDPA's is_causal (top-left) is not.
+    """
+    _, num_q_heads, _, head_dim = _check_prefill(q, k_cache, v_cache, block_tables,
+                                                 cu_seqlens_q, context_lens)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size = k_cache.shape[1]
+    starts = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        require(q_len <= context_len,
+                f"paged_prefill_attention: sequence {seq} has {q_len} query tokens but a "
+                f"context of only {context_len}")
+        num_blocks = triton.cdiv(context_len, block_size)
+        ids = block_tables[seq, :num_blocks].long()
+        keys = k_cache.index_select(0, ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        values = v_cache.index_select(0, ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        queries = q[q_start:q_end].transpose(0, 1)
+        if q_len == context_len:
+            mask, causal = None, True
+        else:
+            query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            key_pos = torch.arange(context_len, device=q.device)
+            mask, causal = key_pos[None, :] <= query_pos[:, None], False
+        attended = F.scaled_dot_product_attention(
+            queries[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True)
+        out[q_start:q_end] = attended[0].transpose(0, 1)
+    return out
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    scale_log2e,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    group_size, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program per (tile of BLOCK_M query rows, sequence, query head); it walks the
+    # sequence's pages up to the tile's last query position with an online softmax.
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_head = tl.program_id(2)
+    kv_head = q_head // group_size
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix_len = context_len - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    row_valid = rows < q_len
+    query_pos = prefix_len + rows
+    q_mask = row_valid[:, None] & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + (q_start + rows[:, None]) * stride_qt + q_head * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys past the tile's last row are never visible; an empty tile (rows >= q_len) walks none.
+    tile_end = tl.minimum(prefix_len + (tile + 1) * BLOCK_M, context_len)
+    num_pages = tl.where(tile * BLOCK_M < q_len, tl.cdiv(tile_end, BLOCK_SIZE), 0)
+    head_base = kv_head * stride_cache_head
+    for logical_block in range(0, num_pages):
+        block = tl.load(block_tables_ptr + seq * stride_table + logical_block).to(tl.int64)
+        key_pos = logical_block * BLOCK_SIZE + offsets
+        kv_mask = (key_pos[:, None] < context_len) & (dims[None, :] < head_dim)
+        kv_offsets = (block * stride_cache_block + offsets[:, None] * stride_cache_offset
+                      + head_base + dims[None, :])
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < context_len)
+        scores = tl.where(visible, scores, float("-inf"))
+        # Every row sees key 0 in the first page, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + q_head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of paged_prefill_attention_ref (same signature and result).
+
+    The grid is sized by the total token count rather than the longest chunk so that launching
+    never reads cu_seqlens_q back to the host; tiles past a sequence's chunk exit at once.
+    """
+    num_tokens, num_q_heads, num_kv_heads, head_dim = _check_prefill(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    check_triton_cache("paged_prefill_attention", k_cache, v_cache)
+    require(block_tables.stride(1) == 1,
+            f"paged_prefill_attention: block_tables rows must be contiguous, got {block_tables.stride()}")
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = 32
+    grid = (triton.cdiv(num_tokens, block_m), num_seqs, num_q_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_heads // num_kv_heads, head_dim,
+        BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    return out

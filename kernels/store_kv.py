@@ -1,0 +1,85 @@
+"""Write the new tokens' K and V into their cache slots.
+
+Slot s is block s // block_size, offset s % block_size; slot -1 means "do not store" (padding
+tokens, or tokens whose K/V another rank owns).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_cache_pair, check_int_tensor, require
+
+
+def _check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    check_cache_pair("store_kv", k_cache, v_cache)
+    require(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:],
+            f"store_kv: key must be [T, Hkv={k_cache.shape[2]}, D={k_cache.shape[3]}], "
+            f"got {tuple(key.shape)}")
+    require(value.shape == key.shape,
+            f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    require(key.dtype == k_cache.dtype and value.dtype == k_cache.dtype,
+            f"store_kv: key/value dtypes {key.dtype}/{value.dtype} != cache dtype {k_cache.dtype}")
+    require(key.stride(-1) == 1 and value.stride(-1) == 1,
+            f"store_kv: key/value head_dim axis must have stride 1, got {key.stride()}, {value.stride()}")
+    check_int_tensor("store_kv", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
+    require(slot_mapping.shape[0] == key.shape[0],
+            f"store_kv: slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch reference: k_cache/v_cache[slot] = key/value[t] for every t with slot >= 0."""
+    _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    # Flattening [num_blocks, block_size] into slots needs those two axes to be mergeable,
+    # which holds for layer views of the contract's kv_cache (inner axes contiguous).
+    k_slots = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_slots = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_slots.index_copy_(0, slot_mapping, key)
+    v_slots.index_copy_(0, slot_mapping, value)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    block_size, num_kv_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: copies its [Hkv, D] K and V tiles.
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)  # int64: block * stride may exceed 2**31
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot >= 0)
+    block = slot // block_size
+    offset = slot % block_size
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    dst = block * stride_cache_block + offset * stride_cache_offset + heads * stride_cache_head + dims
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton version of store_kv_ref (same signature, same effect)."""
+    _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    require(k_cache.stride() == v_cache.stride(),
+            f"store_kv: k_cache strides {k_cache.stride()} != v_cache strides {v_cache.stride()}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1], num_kv_heads, head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
