@@ -1,0 +1,140 @@
+"""Model runner: owns one rank's model shard and KV cache; turns a step's per-sequence work into
+flat tensors (once per step, vectorised) and returns the logits of the rows that sample."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workers.distributed import TPGroup
+from workers.kv_cache import allocate_kv_cache
+from workers.loader import ModelConfig, iter_weights
+from workers.models import model_class
+from workers.models.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """What one sequence computes this step."""
+
+    token_ids: list[int]       # the tokens to compute (a prefill chunk, or one decode token)
+    start_pos: int             # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]     # covers at least start_pos + len(token_ids) slots
+    sample: bool               # whether its last row's logits are wanted
+
+
+@dataclass(slots=True)
+class StepTensors:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are returned, in item order
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, model_dir: str | Path | None, dtype: torch.dtype,
+                 device: torch.device | str, block_size: int, num_blocks: int,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        """`model_dir=None` gives random weights of the real shapes (benchmarks only)."""
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.tp = TPGroup(tp_rank, tp_size)
+        self.model = model_class(config.architecture)(config, self.tp, dtype, self.device)
+        if model_dir is None:
+            _init_random(self.model, seed=0)
+        else:
+            self.model.load_weights(iter_weights(model_dir))
+        self.model.eval()
+        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, self.device,
+                                          tp_size, tp_rank)
+        log.info("model runner rank %d/%d: %s, %s, %d blocks of %d tokens (%.1f MiB)",
+                 tp_rank, tp_size, config.architecture, dtype, num_blocks, block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, items: list[SeqStep]) -> torch.Tensor:
+        """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
+        if not items:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        step = self.prepare(items)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        if step.sample_rows.numel() == 0:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[step.sample_rows])
+
+    def prepare(self, items: list[SeqStep]) -> StepTensors:
+        """Flatten the items, single-token sequences first, into the step's tensors."""
+        n, bs = len(items), self.block_size
+        lens = np.fromiter((len(it.token_ids) for it in items), np.int64, n)
+        if (lens == 0).any():
+            raise ValueError("a scheduled sequence has no tokens to compute")
+        order = np.argsort(lens != 1, kind="stable")
+        lens_o = lens[order]
+        starts_o = np.fromiter((items[i].start_pos for i in order), np.int64, n)
+        cu = np.zeros(n + 1, np.int64)
+        np.cumsum(lens_o, out=cu[1:])
+        total = int(cu[-1])
+        tokens = np.fromiter(chain.from_iterable(items[i].token_ids for i in order), np.int64, total)
+
+        tables_o, num_table_blocks = _pad_block_tables([items[i].block_table for i in order])
+        seq_of_row = np.repeat(np.arange(n), lens_o)
+        positions = np.repeat(starts_o - cu[:-1], lens_o) + np.arange(total)
+        block_index = positions // bs
+        if (block_index >= num_table_blocks[seq_of_row]).any():
+            bad = int(order[seq_of_row[np.argmax(block_index >= num_table_blocks[seq_of_row])]])
+            raise ValueError(f"item {bad}: block table of {len(items[bad].block_table)} blocks "
+                             f"cannot hold position {items[bad].start_pos + lens[bad] - 1} "
+                             f"at block size {bs}")
+        slots = tables_o[seq_of_row, block_index].astype(np.int64) * bs + positions % bs
+        context_lens = (starts_o + lens_o).astype(np.int32)
+
+        num_decode = int((lens == 1).sum())
+        inverse = np.empty(n, np.int64)
+        inverse[order] = np.arange(n)
+        sample_mask = np.fromiter((it.sample for it in items), bool, n)
+        sample_rows = (cu[inverse + 1] - 1)[sample_mask]
+
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(slots),
+            num_decode_tokens=num_decode,
+            decode_block_tables=to(tables_o[:num_decode]),
+            decode_context_lens=to(context_lens[:num_decode]),
+            prefill_block_tables=to(tables_o[num_decode:]),
+            prefill_cu_seqlens_q=to((cu[num_decode:] - cu[num_decode]).astype(np.int32)),
+            prefill_context_lens=to(context_lens[num_decode:]))
+        return StepTensors(to(tokens), to(positions), meta, to(sample_rows))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _pad_block_tables(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged block tables -> int32 [n, max_len] padded with block 0 (never read: the
+    context lengths stop before it), plus each table's length."""
+    n = len(tables)
+    lengths = np.fromiter(map(len, tables), np.int64, n)
+    width = max(int(lengths.max()), 1)
+    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(lengths.sum()))
+    padded = np.zeros((n, width), np.int32)
+    starts = np.zeros(n, np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    rows = np.repeat(np.arange(n), lengths)
+    padded[rows, np.arange(flat.size) - np.repeat(starts, lengths)] = flat
+    return padded, lengths
+
+
+@torch.no_grad()
+def _init_random(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)

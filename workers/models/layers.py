@@ -1,0 +1,181 @@
+"""Tensor-parallel building blocks: head/row partitioning, rank-local linears, RMSNorm, RoPE.
+
+Each parallel linear owns only this rank's slice of the weight and knows how to cut that slice
+out of the full Hugging Face tensor (`load`), so checkpoints are never re-sharded on disk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import TPGroup
+
+
+def even_split(n: int, parts: int, index: int) -> slice:
+    """The `index`-th of `parts` contiguous pieces of range(n); the first n % parts get one more."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+@dataclass(frozen=True, slots=True)
+class HeadPartition:
+    """Which attention heads one rank computes: q heads `q_heads` (contiguous) and, for them, the
+    kv heads `kv_heads` to hold (global ids, possibly repeated) such that local query head i uses
+    local kv head i // (len(q_heads) // len(kv_heads)) — the GQA rule the kernels assume."""
+
+    q_heads: range
+    kv_heads: tuple[int, ...]
+
+
+def partition_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadPartition:
+    """Split heads over ranks, uneven splits allowed (SmolLM2 has 9 q / 3 kv heads at tp 2).
+
+    With at least as many kv heads as ranks, each rank gets whole GQA groups; otherwise the q
+    heads are split and each rank keeps (replicates) the kv heads its q heads read.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads})")
+    if tp_size > num_heads:
+        raise ValueError(f"tensor parallel size {tp_size} exceeds the {num_heads} attention heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv = even_split(num_kv_heads, tp_size, tp_rank)
+        return HeadPartition(range(kv.start * group, kv.stop * group), tuple(range(kv.start, kv.stop)))
+    q = even_split(num_heads, tp_size, tp_rank)
+    q_heads = range(q.start, q.stop)
+    used = sorted({h // group for h in q_heads})
+    local_group = len(q_heads) // len(used)
+    if len(q_heads) % len(used) == 0 and all(
+            used[i // local_group] == h // group for i, h in enumerate(q_heads)):
+        return HeadPartition(q_heads, tuple(used))
+    return HeadPartition(q_heads, tuple(h // group for h in q_heads))   # one kv copy per q head
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection for this rank's heads (column parallel): out = [q | k | v]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 part: HeadPartition, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.head_dim, self.hidden_size = head_dim, hidden_size
+        self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+        self.heads = {"q": torch.tensor(list(part.q_heads)), "k": torch.tensor(part.kv_heads),
+                      "v": torch.tensor(part.kv_heads)}
+        nq, nkv = len(part.q_heads), len(part.kv_heads)
+        self.sizes = (nq * head_dim, nkv * head_dim, nkv * head_dim)
+        self.weight = _param((sum(self.sizes), hidden_size), dtype, device)
+
+    def load(self, shard: str, full: torch.Tensor) -> None:
+        total, d = self.total_heads[shard], self.head_dim
+        rows = full.view(total, d, self.hidden_size)[self.heads[shard]].reshape(-1, self.hidden_size)
+        offset = {"q": 0, "k": self.sizes[0], "v": self.sizes[0] + self.sizes[1]}[shard]
+        size = self.sizes["qkv".index(shard)]
+        _copy_checked(self.weight[offset:offset + size], rows, f"{shard}_proj rank shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input fused into one matmul (gate|up)."""
+
+    def __init__(self, in_features: int, out_features: int, num_merged: int, tp: TPGroup,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.rows = even_split(out_features, tp.size, tp.rank)
+        self.shard_size = self.rows.stop - self.rows.start
+        self.weight = _param((num_merged * self.shard_size, in_features), dtype, device)
+
+    def load(self, index: int, full: torch.Tensor) -> None:
+        dst = self.weight[index * self.shard_size:(index + 1) * self.shard_size]
+        _copy_checked(dst, full[self.rows], f"merged column shard {index}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Consumes this rank's slice `cols` of the input features; partial sums are all-reduced."""
+
+    def __init__(self, cols: slice, out_features: int, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.cols, self.tp = cols, tp
+        self.weight = _param((out_features, cols.stop - cols.start), dtype, device)
+
+    def load(self, full: torch.Tensor) -> None:
+        _copy_checked(self.weight, full[:, self.cols], "row parallel shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((hidden_size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics like the reference model; the fused op keeps bf16 in and out.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies for RoPE with the config's scaling ('default', 'linear', 'llama3')."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                     "(supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) over a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token tables [T, 1, D/2], computed once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, H, D] (any row stride) into a new contiguous tensor."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

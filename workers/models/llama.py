@@ -1,0 +1,163 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama) over a flattened, unpadded batch.
+
+One `forward` computes any mix of decode tokens and prefill chunks of many sequences: the
+projections and MLP run on all T tokens at once, attention reads the paged KV cache (see
+attention.py). Weights are loaded by Hugging Face name and cut to this rank's shard.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import TPGroup
+from workers.loader import ModelConfig
+from workers.models.attention import AttentionMetadata, paged_attention
+from workers.models.layers import (MergedColumnParallelLinear, QKVParallelLinear, RMSNorm,
+                                   RotaryEmbedding, RowParallelLinear, even_split, partition_heads)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        d = config.head_dim
+        part = partition_heads(config.num_attention_heads, config.num_key_value_heads,
+                               tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(part.q_heads), len(part.kv_heads), d
+        self.scale = d ** -0.5
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, part, dtype, device)
+        cols = slice(part.q_heads.start * d, part.q_heads.stop * d)
+        self.o_proj = RowParallelLinear(cols, config.hidden_size, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, nq + 2 * nkv, d)
+        qk = RotaryEmbedding.apply(qkv[:, :nq + nkv], cos, sin)    # q and k rotated in one op
+        out = paged_attention(qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:], k_cache, v_cache,
+                              meta, self.scale)
+        return self.o_proj(out.reshape(t, nq * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, inter, 2, tp, dtype, device)
+        self.down_proj = RowParallelLinear(even_split(inter, tp.size, tp.rank), config.hidden_size,
+                                           tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp, dtype, device)
+        self.mlp = LlamaMLP(config, tp, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+        h = config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling, dtype, device)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """kv heads held on this rank (what the KV cache is shaped for)."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (norm applied)."""
+        cos, sin = self.rotary.cos_sin(positions)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] of the rows that sample -> fp32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy this rank's shard of every Hugging Face tensor; raises on unknown or missing names."""
+        expected = self._expected_names()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            self._load_one(name, tensor)
+            expected.discard(name)
+        if expected:
+            raise ValueError(f"checkpoint is missing {len(expected)} tensors, e.g. {sorted(expected)[:4]}")
+
+    def _expected_names(self) -> set[str]:
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per_layer = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                     "post_attention_layernorm")
+        for i in range(self.config.num_hidden_layers):
+            names.update(f"model.layers.{i}.{p}.weight" for p in per_layer)
+        return names
+
+    @torch.no_grad()
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.copy_(tensor)
+            return
+        if name == "lm_head.weight":
+            self.lm_head.copy_(tensor)
+            return
+        if name == "model.norm.weight":
+            self.norm.weight.copy_(tensor)
+            return
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None or int(match[1]) >= len(self.layers):
+            raise ValueError(f"unexpected weight {name!r} for a Llama model")
+        layer, part = self.layers[int(match[1])], match[2]
+        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            layer.self_attn.qkv_proj.load(part[-6], tensor)
+        elif part == "self_attn.o_proj":
+            layer.self_attn.o_proj.load(tensor)
+        elif part in ("mlp.gate_proj", "mlp.up_proj"):
+            layer.mlp.gate_up_proj.load(part == "mlp.up_proj", tensor)
+        elif part == "mlp.down_proj":
+            layer.mlp.down_proj.load(tensor)
+        elif part in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, part).weight.copy_(tensor)
+        else:
+            raise ValueError(f"unexpected weight {name!r} for a Llama model")
