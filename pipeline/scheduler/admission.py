@@ -1,0 +1,76 @@
+"""Admission control: refuse at `add` what could never run, or what the queue cannot hold."""
+from __future__ import annotations
+
+from pipeline.scheduler.config import SchedulerConfig
+from pipeline.sequence import Request, RequestState
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (HTTP 400); the message names the numbers."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class QueueFull(RequestRejected):
+    """The waiting queue is at --max-queued-requests; retry later (HTTP 503 with Retry-After)."""
+
+
+def _is_token_list(ids) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+
+
+def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: int,
+                  num_watermark_blocks: int, eos_token_ids: frozenset[int],
+                  num_queued: int) -> RequestState:
+    """Check one request against the limits and build its state; raises RequestRejected."""
+    rid = request.request_id
+    prompt, outputs, sampling = request.prompt_token_ids, request.output_token_ids, request.sampling
+    if not isinstance(rid, str) or not rid:
+        raise RequestRejected(str(rid), "request_id must be a non-empty string")
+    if not prompt:
+        raise RequestRejected(rid, "prompt has no tokens")
+    if not _is_token_list(prompt) or not _is_token_list(outputs):
+        raise RequestRejected(rid, "token ids must be non-negative integers")
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise RequestRejected(rid, str(exc)) from None
+    if outputs and sampling.n != 1:
+        raise RequestRejected(rid, f"already generated tokens can only be resubmitted with n=1, "
+                                   f"got n={sampling.n}")
+    num_prompt, max_len = len(prompt), config.max_model_len
+    if sampling.max_tokens is None:
+        if num_prompt >= max_len:
+            raise RequestRejected(rid, f"prompt has {num_prompt} tokens but max_model_len is "
+                                       f"{max_len}, leaving no room to generate")
+        max_output = max_len - num_prompt
+    else:
+        max_output = sampling.max_tokens
+        if num_prompt + max_output > max_len:
+            raise RequestRejected(
+                rid, f"prompt has {num_prompt} tokens and max_tokens is {max_output}, together "
+                     f"{num_prompt + max_output}, but max_model_len is {max_len}")
+    if len(outputs) >= max_output:
+        raise RequestRejected(rid, f"{len(outputs)} tokens already generated, max_tokens is "
+                                   f"{max_output}: nothing left to generate")
+    # A sequence must be able to run alone: all its tokens in the pool minus the admission
+    # watermark (n > 1 samples share the prompt and can take turns through preemption).
+    bs = config.block_size
+    blocks_needed = -(-(num_prompt + max_output) // bs)
+    usable = num_gpu_blocks - num_watermark_blocks
+    if blocks_needed > usable:
+        raise RequestRejected(
+            rid, f"prompt ({num_prompt}) + max_tokens ({max_output}) needs {blocks_needed} blocks "
+                 f"of {bs} tokens but the KV cache has only {usable} usable blocks "
+                 f"({num_gpu_blocks} minus {num_watermark_blocks} kept free by the watermark)")
+    if num_queued >= config.max_queued_requests:
+        raise QueueFull(rid, f"waiting queue is full: {num_queued} requests queued, "
+                             f"max_queued_requests is {config.max_queued_requests}")
+    stop_ids = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        stop_ids |= eos_token_ids
+    return RequestState(rid, sampling, request.arrival_time, request.priority, request.cache_salt,
+                        num_prompt, max_output, frozenset(stop_ids))

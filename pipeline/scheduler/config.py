@@ -1,0 +1,49 @@
+"""Scheduler settings; names follow vLLM's flags (--max-num-seqs, --max-num-batched-tokens, ...)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("swap", "recompute", "auto")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_model_len: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_queued_requests: int = 4096  # waiting requests; one more is refused (HTTP 503)
+    preemption_mode: str = "auto"
+    # "auto": sequences with at least this many tokens are swapped, shorter ones recomputed;
+    # None derives it from the default cost model in preemption.py.
+    swap_threshold_tokens: int | None = None
+    policy: str = "fcfs"
+    watermark: float = 0.01  # fraction of device blocks kept free when admitting
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_queued_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.swap_threshold_tokens is not None and self.swap_threshold_tokens < 0:
+            raise ValueError(f"swap_threshold_tokens must be >= 0, got {self.swap_threshold_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({self.max_model_len}) or long prompts never run; "
+                f"raise it or enable chunked prefill")

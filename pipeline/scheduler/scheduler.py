@@ -1,0 +1,501 @@
+"""The scheduling policy: which sequences compute how many tokens each step. No I/O, no clock.
+
+One cycle is ``plan = schedule(now)`` -> workers execute it -> ``update(plan, result, now)``.
+Each step, in this order:
+  0. under a policy that allows it, a waiting request short of blocks preempts lower ones;
+  1. running sequences decode, one token each (a sequence that cannot get its next block
+     preempts victims - largest policy key first - or is itself preempted);
+  2. sequences part-way through their prompt take the next chunk of the remaining budget;
+  3. swapped sequences come back (not in a step that swapped some out);
+  4. waiting sequences are admitted in policy order while the sequence cap, the token budget and
+     free blocks (above the watermark) allow; prefix-cache hits are not recomputed.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
+from pipeline.scheduler.admission import RequestRejected, admit_request
+from pipeline.scheduler.config import SchedulerConfig
+from pipeline.scheduler.policy import make_policy
+from pipeline.scheduler.preemption import SWAP, PreemptionChooser
+from pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
+                               Sequence, SequenceOutput, SequenceStatus)
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+SWAPPED = SequenceStatus.SWAPPED
+FINISHED_STOPPED = SequenceStatus.FINISHED_STOPPED
+FINISHED_LENGTH = SequenceStatus.FINISHED_LENGTH
+FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens of admitted requests, cumulative
+    generation_tokens: int  # sampled tokens, cumulative
+    iteration_tokens: int  # tokens computed in the last step
+
+
+class _PlanBuilder:
+    """The lists of one step's plan, plus the token budget left."""
+
+    __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
+                 "forks", "seqs", "fork_children")
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.step_id = step_id
+        self.budget = budget
+        self.new_seqs: list[NewSeq] = []
+        self.scheduled: list[ScheduledSeq] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.copy: list[tuple[int, int]] = []
+        self.forks: list[Fork] = []
+        self.seqs: list[Sequence] = []  # parallel to `scheduled`
+        self.fork_children: list[Sequence] = []
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache, eos_token_ids=()) -> None:
+        if kv_cache.block_size != config.block_size:
+            raise ValueError(f"block_size mismatch: scheduler config has {config.block_size}, "
+                             f"the KV cache manager {kv_cache.block_size}")
+        self.config = config
+        self.kv = kv_cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = make_policy(config.policy)
+        self.preemption = PreemptionChooser(config.preemption_mode, config.swap_threshold_tokens)
+        self.block_size = config.block_size
+        self.num_watermark_blocks = getattr(kv_cache, "watermark_blocks",
+                                            int(config.watermark * kv_cache.num_gpu_blocks))
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
+        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by policy key; aborted stay lazily
+        self.swapped: list[tuple[tuple, Sequence]] = []  # heap by policy key
+        self.running: list[Sequence] = []  # decoding; finished ones dropped at the next step
+        self.prefilling: list[Sequence] = []  # admitted, prompt (or recompute) not done yet
+        self.num_running = self.num_waiting = self.num_swapped = 0  # live sequences
+        self.num_queued_requests = 0  # never admitted yet: bounded by max_queued_requests
+        self.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
+        self.iteration_tokens = 0
+        self._next_seq_id = 0
+        self._next_step_id = 0
+        self._finished_seq_ids: list[int] = []  # the workers still hold state for these
+        self._inflight: _PlanBuilder | None = None
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                    eos_token_ids=(), block_tables=None) -> "Scheduler":
+        """A scheduler over a fresh KVCacheManager built from the same settings."""
+        from kvmanager import KVCacheManager
+        kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            watermark=config.watermark, block_tables=block_tables)
+        return cls(config, kv, eos_token_ids)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises RequestRejected (QueueFull when the queue is at its bound)."""
+        if request.request_id in self.requests:
+            raise RequestRejected(request.request_id, "a request with this id is already in flight")
+        state = admit_request(request, self.config, num_gpu_blocks=self.kv.num_gpu_blocks,
+                              num_watermark_blocks=self.num_watermark_blocks,
+                              eos_token_ids=self.eos_token_ids,
+                              num_queued=self.num_queued_requests)
+        seq = self._new_seq(state, 0, list(request.prompt_token_ids) + list(request.output_token_ids))
+        self.requests[state.request_id] = state
+        self.num_queued_requests += 1
+        self._push_waiting(seq)
+
+    def abort(self, request_id: str) -> list[SequenceOutput]:
+        """Finish every sample of a request with reason 'abort'; unknown ids are ignored (the
+        request may have finished while the abort was on its way)."""
+        return self._finish_request(request_id, FINISHED_ABORTED, None)
+
+    def stop(self, request_id: str, reason: str = "stop", index: int | None = None
+             ) -> list[SequenceOutput]:
+        """A stop string was found by the detokenizer: finish sample `index` (None: all)."""
+        if reason not in STATUS_FOR_REASON:
+            raise ValueError(f"finish reason must be one of {', '.join(STATUS_FOR_REASON)}, "
+                             f"got {reason!r}")
+        return self._finish_request(request_id, STATUS_FOR_REASON[reason], index)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv.stats()
+        return SchedulerStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_swapped=self.num_swapped, kv_usage=self.kv.usage,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, iteration_tokens=self.iteration_tokens)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self, now: float) -> StepPlan:
+        if self._inflight is not None:
+            raise RuntimeError(f"schedule() called again before update() for step "
+                               f"{self._inflight.step_id}")
+        b = _PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        self._next_step_id += 1
+        if self.waiting and self.num_running:
+            self._preempt_for_waiting(b)
+        new_running: list[Sequence] = []
+        new_prefilling: list[Sequence] = []
+        self._schedule_running(b, new_running)
+        self._schedule_prefilling(b, new_running, new_prefilling)
+        if self.swapped and not b.swap_out:
+            self._schedule_swapped(b, new_running, new_prefilling)
+        if self.waiting:
+            self._schedule_waiting(b, new_running, new_prefilling)
+        self.running, self.prefilling = new_running, new_prefilling
+        self.iteration_tokens = self.config.max_num_batched_tokens - b.budget
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        self._inflight = b
+        return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
+                        b.forks, finished)
+
+    def _schedule_running(self, b: _PlanBuilder, new_running: list[Sequence]) -> None:
+        reserve, emit = self._reserve, self._emit
+        for seq in self.running:
+            if seq.status is not RUNNING:
+                continue  # finished or preempted since
+            num_new = len(seq.token_ids) - seq.num_computed_tokens
+            if num_new > b.budget:
+                num_new = b.budget
+            if num_new and reserve(seq, num_new, b):
+                emit(seq, num_new, b)
+                new_running.append(seq)
+            elif seq.status is RUNNING:
+                new_running.append(seq)
+
+    def _schedule_prefilling(self, b: _PlanBuilder, new_running: list[Sequence],
+                             new_prefilling: list[Sequence]) -> None:
+        for seq in self.prefilling:
+            if seq.status is not RUNNING:
+                continue
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            chunk = min(remaining, b.budget)
+            if chunk and (chunk == remaining or self.config.enable_chunked_prefill) \
+                    and self._reserve(seq, chunk, b):
+                self._emit(seq, chunk, b)
+                (new_running if chunk == remaining else new_prefilling).append(seq)
+            elif seq.status is RUNNING:
+                new_prefilling.append(seq)
+
+    def _schedule_swapped(self, b: _PlanBuilder, new_running: list[Sequence],
+                          new_prefilling: list[Sequence]) -> None:
+        kv = self.kv
+        while self.swapped and b.budget and self.num_running < self.config.max_num_seqs:
+            seq = self.swapped[0][1]
+            if seq.status is not SWAPPED:
+                heapq.heappop(self.swapped)
+                continue
+            if not kv.can_swap_in(seq.seq_id):
+                break
+            heapq.heappop(self.swapped)
+            b.swap_in.extend(kv.swap_in(seq.seq_id))
+            self.num_swapped -= 1
+            self.num_running += 1
+            seq.status = RUNNING
+            seq.needs_full_send = True  # its block ids changed
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            chunk = min(remaining, b.budget)
+            if not self.config.enable_chunked_prefill and chunk < remaining:
+                chunk = 0
+            # Fresh slots beyond the swapped-in table come without preempting anyone now: a
+            # sequence swapped in and out in one step would undo itself.
+            if chunk and self._grow(seq, chunk, b):
+                self._emit(seq, chunk, b)
+            (new_running if chunk == remaining else new_prefilling).append(seq)
+
+    def _schedule_waiting(self, b: _PlanBuilder, new_running: list[Sequence],
+                          new_prefilling: list[Sequence]) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and b.budget and self.num_running < max_num_seqs:
+            seq = self.waiting[0][1]
+            if seq.status is not WAITING:
+                heapq.heappop(self.waiting)
+                continue
+            if seq.preempted_step == b.step_id:
+                break  # pushed out this very step: admitting it back would thrash
+            done = self._admit(seq, b)
+            if done is None:
+                break  # head-of-line blocking keeps the order fair (no starvation)
+            heapq.heappop(self.waiting)
+            (new_running if done else new_prefilling).append(seq)
+
+    def _admit(self, seq: Sequence, b: _PlanBuilder) -> bool | None:
+        """Allocate and schedule a waiting sequence's first chunk. None: it does not fit now;
+        else whether the chunk completes its tokens."""
+        kv, req, tokens = self.kv, seq.request, seq.token_ids
+        total = len(tokens)
+        cached = (kv.lookup_prefix(tokens, req.cache_salt)
+                  if self.config.enable_prefix_caching else 0)
+        chunk = total - cached
+        if chunk > b.budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            chunk = b.budget
+        if not kv.can_allocate(chunk, num_cached_tokens=cached):
+            return None  # the watermark keeps room for running sequences to grow
+        got = kv.allocate(seq.seq_id, tokens, chunk, req.cache_salt)
+        if got is None:
+            return None
+        seq.num_computed_tokens = got
+        seq.num_reserved_tokens = got + chunk
+        chunk = min(chunk, total - got)
+        seq.status = RUNNING
+        self.num_waiting -= 1
+        self.num_running += 1
+        if req.queued:
+            req.queued = False
+            self.num_queued_requests -= 1
+            self.prompt_tokens += req.num_prompt_tokens
+        self._emit(seq, chunk, b)
+        return got + chunk == total
+
+    # ------------------------------------------------------------------ blocks and preemption
+
+    def _reserve(self, seq: Sequence, num_new: int, b: _PlanBuilder) -> bool:
+        """Make room for `num_new` more tokens, preempting others (or `seq` itself, returning
+        False) when the pool is short."""
+        while not self._grow(seq, num_new, b):
+            victim = self._pick_victim(b.step_id)
+            self._preempt(victim, b)
+            if victim is seq:
+                return False
+        return True
+
+    def _grow(self, seq: Sequence, num_new: int, b: _PlanBuilder) -> bool:
+        needed = seq.num_computed_tokens + num_new
+        if needed <= seq.num_reserved_tokens:
+            return True
+        cow = self.kv.append_slots(seq.seq_id, needed - seq.num_reserved_tokens)
+        if cow is None:
+            return False
+        seq.num_reserved_tokens = needed
+        if cow:
+            b.copy.extend(cow)
+            seq.needs_full_send = True  # a block in its table was replaced
+        return True
+
+    def _pick_victim(self, step_id: int) -> Sequence:
+        """The running sequence not yet scheduled this step with the largest policy key."""
+        key = self.policy.key
+        best, best_key = None, None
+        for seqs in (self.running, self.prefilling):
+            for seq in seqs:
+                if seq.status is RUNNING and seq.last_step != step_id:
+                    k = key(seq)
+                    if best_key is None or k > best_key:
+                        best, best_key = seq, k
+        if best is None:
+            raise RuntimeError("no sequence left to preempt; the caller should have been a candidate")
+        return best
+
+    def _preempt_for_waiting(self, b: _PlanBuilder) -> None:
+        """Let the waiting head push out running sequences it outranks when blocks are short."""
+        while self.waiting and self.waiting[0][1].status is not WAITING:
+            heapq.heappop(self.waiting)
+        if not self.waiting:
+            return
+        head = self.waiting[0][1]
+        tokens = head.token_ids
+        cached = (self.kv.lookup_prefix(tokens, head.request.cache_salt)
+                  if self.config.enable_prefix_caching else 0)
+        need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
+        while not self.kv.can_allocate(need, num_cached_tokens=cached):
+            victim = self._pick_victim(b.step_id) if self.num_running else None
+            if victim is None or not self.policy.may_preempt(head, victim):
+                return
+            self._preempt(victim, b)
+
+    def _preempt(self, seq: Sequence, b: _PlanBuilder) -> None:
+        kv = self.kv
+        can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
+        self.num_preemptions += 1
+        self.num_running -= 1
+        seq.preempted_step = b.step_id
+        seq.needs_full_send = True  # swap-in and recompute both change its block table
+        if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
+            b.swap_out.extend(kv.swap_out(seq.seq_id))
+            seq.status = SWAPPED
+            self.num_swapped += 1
+            heapq.heappush(self.swapped, (self.policy.key(seq), seq))
+        else:
+            kv.free(seq.seq_id)
+            seq.num_computed_tokens = seq.num_reserved_tokens = 0
+            self._push_waiting(seq)
+
+    # ------------------------------------------------------------------ plan diffs
+
+    def _emit(self, seq: Sequence, num_tokens: int, b: _PlanBuilder) -> None:
+        """Add `seq` computing `num_tokens` to the plan, sending only what the workers lack."""
+        sid, tokens = seq.seq_id, seq.token_ids
+        if seq.needs_full_send:
+            block_ids = self.kv.block_table(sid)
+            npr = seq.num_prompt_tokens
+            b.new_seqs.append(NewSeq(sid, tokens[:npr], tokens[npr:], seq.request.sampling,
+                                     block_ids, seq.num_computed_tokens))
+            seq.needs_full_send = False
+            seq.num_blocks_sent = len(block_ids)
+            seq.num_tokens_sent = len(tokens)
+            b.scheduled.append(ScheduledSeq(sid, num_tokens, [], []))
+        else:
+            num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
+            if num_blocks > seq.num_blocks_sent:
+                new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
+                seq.num_blocks_sent = num_blocks
+            else:
+                new_blocks = []
+            b.scheduled.append(ScheduledSeq(sid, num_tokens, new_blocks,
+                                            tokens[seq.num_tokens_sent:]))
+            seq.num_tokens_sent = len(tokens)
+        seq.step_tokens = num_tokens
+        seq.last_step = b.step_id
+        b.seqs.append(seq)
+        b.budget -= num_tokens
+        req = seq.request
+        if not req.forked and seq.num_computed_tokens + num_tokens == len(tokens):
+            self._fork(seq, b)
+
+    def _fork(self, parent: Sequence, b: _PlanBuilder) -> None:
+        """The step that completes the parent's prompt: its n - 1 siblings share every block
+        and sample from the same logits."""
+        req = parent.request
+        req.forked = True
+        children = []
+        for index in range(1, req.sampling.n):
+            child = self._new_seq(req, index, parent.token_ids[:])
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.parent_id = parent.seq_id
+            child.status = RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens + parent.step_tokens
+            child.num_reserved_tokens = parent.num_reserved_tokens
+            child.needs_full_send = False  # the workers copy the parent's state
+            child.num_tokens_sent = parent.num_tokens_sent
+            child.num_blocks_sent = parent.num_blocks_sent
+            child.last_step = b.step_id
+            children.append(child)
+        self.num_running += len(children)
+        b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
+        b.fork_children.extend(children)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceOutput]:
+        """Apply the workers' sampled tokens; returns what each sample of each request gained."""
+        b = self._inflight
+        if b is None or plan.step_id != b.step_id:
+            raise RuntimeError(f"update() for step {plan.step_id} but the plan in flight is "
+                               f"{None if b is None else b.step_id}")
+        if result.step_id != plan.step_id:
+            raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
+        self._inflight = None
+        row_of = {sid: row for row, sid in enumerate(result.seq_ids)}
+        outputs: list[SequenceOutput] = []
+        bs = self.block_size
+        caching = self.config.enable_prefix_caching
+        for seq in b.seqs:
+            if seq.status is not RUNNING:
+                continue  # aborted or stopped while the step ran
+            old = seq.num_computed_tokens
+            new = seq.num_computed_tokens = old + seq.step_tokens
+            if caching and new // bs > old // bs:
+                self.kv.cache_blocks(seq.seq_id, seq.token_ids, new)
+            if new == len(seq.token_ids):
+                self._sample(seq, row_of, result, outputs)
+        for seq in b.fork_children:
+            if seq.status is RUNNING:
+                self._sample(seq, row_of, result, outputs)
+        # Forked children decode from the next step on, after their parent.
+        self.running.extend(c for c in b.fork_children if c.status is RUNNING)
+        return outputs
+
+    def _sample(self, seq: Sequence, row_of: dict, result: StepResult,
+                outputs: list[SequenceOutput]) -> None:
+        row = row_of.get(seq.seq_id)
+        if row is None:
+            raise ValueError(f"StepResult for step {result.step_id} has no token for sequence "
+                             f"{seq.seq_id}, which reached the end of its tokens")
+        token = result.token_ids[row]
+        tokens = seq.token_ids
+        tokens.append(token)
+        self.generation_tokens += 1
+        req = seq.request
+        num_out = len(tokens) - seq.num_prompt_tokens
+        status = None
+        if token in req.stop_ids and num_out >= req.min_tokens:
+            status = FINISHED_STOPPED
+        elif num_out >= req.max_output_tokens:
+            status = FINISHED_LENGTH
+        request_finished = status is not None and self._finish(seq, status)
+        lp = None if result.logprobs is None else [result.logprobs[row]]
+        tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
+        outputs.append(SequenceOutput(req.request_id, seq.index, [token],
+                                      FINISH_REASONS.get(status), request_finished, lp, tlp))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _new_seq(self, req: RequestState, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(self._next_seq_id, req, index, token_ids)
+        self._next_seq_id += 1
+        self.seqs[seq.seq_id] = seq
+        req.seqs.append(seq)
+        return seq
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = WAITING
+        self.num_waiting += 1
+        heapq.heappush(self.waiting, (self.policy.key(seq), seq))
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> bool:
+        """Release a sequence; returns whether that finished its whole request."""
+        if seq.status is RUNNING:
+            self.num_running -= 1
+            self.kv.free(seq.seq_id)
+        elif seq.status is SWAPPED:
+            self.num_swapped -= 1
+            self.kv.free(seq.seq_id)
+        elif seq.status is WAITING:
+            self.num_waiting -= 1
+        seq.status = status
+        del self.seqs[seq.seq_id]
+        if seq.num_tokens_sent:
+            self._finished_seq_ids.append(seq.seq_id)
+        req = seq.request
+        req.num_unfinished -= 1
+        if not req.forked:
+            req.num_unfinished = 0  # its siblings will never be forked
+        if req.num_unfinished:
+            return False
+        if req.queued:
+            self.num_queued_requests -= 1
+        del self.requests[req.request_id]
+        return True
+
+    def _finish_request(self, request_id: str, status: SequenceStatus, index: int | None
+                        ) -> list[SequenceOutput]:
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        outputs = []
+        for seq in list(req.seqs):
+            if seq.status >= FINISHED_STOPPED or (index is not None and seq.index != index):
+                continue
+            done = self._finish(seq, status)
+            outputs.append(SequenceOutput(request_id, seq.index, [], FINISH_REASONS[status], done))
+        return outputs

@@ -1,0 +1,168 @@
+"""Request and sequence state as the scheduler keeps it.
+
+A *request* (string id from the client) owns one *sequence* per sample (``SamplingParams.n``);
+sequence ids are ints, unique per scheduler. The parent sequence computes the prompt; its n - 1
+children are forked from it on the step that completes the prompt. A sequence's tokens are
+``token_ids`` = prompt followed by outputs, and ``num_computed_tokens`` of them have their K/V in
+the cache. Each step computes the next tokens up to the end of ``token_ids``; the worker samples
+only when a step reaches that end, so a sequence being recomputed does not sample until it has
+caught up.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pipeline.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+STATUS_FOR_REASON = {reason: status for status, reason in FINISH_REASONS.items()}
+
+
+@dataclass(slots=True)
+class Request:
+    """What `Scheduler.add` needs; the process wrapper builds it from the AddRequest message.
+
+    `output_token_ids` is non-empty only for a resubmission after a scheduler restart: those
+    tokens are computed together with the prompt and count against max_tokens.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class RequestState:
+    """Per-request bookkeeping shared by its sequences."""
+
+    __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
+                 "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
+                 "num_unfinished",
+                 "forked", "queued")
+
+    def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
+                 priority: int, cache_salt: str | None, num_prompt_tokens: int,
+                 max_output_tokens: int, stop_ids: frozenset[int]) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_output_tokens = max_output_tokens  # counts resubmitted output tokens too
+        self.min_tokens = sampling.min_tokens  # stop ids do not stop before this many outputs
+        self.stop_ids = stop_ids  # EOS (unless ignore_eos) and stop_token_ids
+        self.seqs: list[Sequence] = []  # index in this list == sample index
+        self.num_unfinished = sampling.n  # children count before they exist
+        self.forked = sampling.n == 1  # nothing to fork for a single sample
+        self.queued = True  # counted against max_queued_requests until first admitted
+
+
+class Sequence:
+    """One sample's state. Cheap attribute access matters: thousands are touched every step."""
+
+    __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
+                 "num_computed_tokens", "num_reserved_tokens", "status", "parent_id",
+                 "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
+                 "last_step", "preempted_step")
+
+    def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int],
+                 parent_id: int | None = None) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids  # prompt + outputs
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.num_reserved_tokens = 0  # slots held in the KV cache manager
+        self.status = SequenceStatus.WAITING
+        self.parent_id = parent_id
+        # What the workers hold, so plans are diffs.
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
+        self.needs_full_send = True  # next plan carries a NewSeq for it
+        self.step_tokens = 0  # tokens it computes in the plan in flight
+        self.last_step = -1  # last step that scheduled it
+        self.preempted_step = -1  # not re-admitted in the step that pushed it out
+
+    # Convenience views; the hot paths use token_ids / num_prompt_tokens directly.
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, request={self.request.request_id!r}, "
+                f"status={self.status.name}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens})")
+
+
+class SequenceOutput(msgspec.Struct, gc=False):
+    """What one step (or an abort/stop) produced for one sample of a request."""
+
+    request_id: str
+    index: int  # sample index, 0 .. n-1
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once this sample is done
+    request_finished: bool = False  # every sample of the request is done
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
