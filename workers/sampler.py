@@ -1,0 +1,143 @@
+"""Batched sampling over one step's logits: one token per row, each row with its own params.
+
+Per row, in order: presence/frequency/repetition penalties -> greedy argmax, or temperature ->
+min_p -> top_k -> top_p -> a draw (see `workers/sampling/draw.py` for how and why). Each stage
+runs only on the rows that need it, with its per-row parameters gathered into tensors once per
+call; an all-greedy batch without penalties or logprobs is a single argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.sampling_params import SamplingParams
+from workers.sampling.draw import apply_min_p, sample_full, sample_top_k_top_p, seeded_uniform
+from workers.sampling.penalties import apply_penalties, count_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]                                  # one per row
+    logprobs: list[float] | None                          # chosen token's; nan for rows that
+                                                          # did not ask; None if no row asked
+    top_logprobs: list[list[tuple[int, float]]] | None    # per row top-N, [] if it did not ask
+
+
+class Sampler:
+    """Samples one token per row of a step's logits [N, V].
+
+    Logprobs are those of the raw model logits (log_softmax before penalties, temperature and
+    filtering), which is what vLLM returns by default. Seeded rows draw their randomness from
+    (seed, len(token_ids)) only; unseeded rows share one generator (seeded by `seed` if given).
+    """
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 token_ids: list[list[int]], num_prompt_tokens: list[int]) -> SamplerOutput:
+        num_rows = logits.shape[0]
+        if not (len(params) == len(token_ids) == len(num_prompt_tokens) == num_rows):
+            raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params, "
+                             f"{len(token_ids)} token lists, {len(num_prompt_tokens)} prompt lengths")
+        raw_logits = logits.float()
+        logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens)
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(random_rows) < num_rows:
+            chosen = logits.argmax(dim=1)
+        else:
+            chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            rows = logits if len(random_rows) == num_rows else logits.index_select(0, index)
+            drawn = self._draw([params[i] for i in random_rows], rows,
+                               [len(token_ids[i]) for i in random_rows])
+            chosen[index] = drawn
+
+        token_list = chosen.tolist()
+        logprobs, top_logprobs = _logprobs(raw_logits, chosen, params)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def _penalised(self, logits: torch.Tensor, params: list[SamplingParams],
+                   token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not rows:
+            return logits
+        device = logits.device
+        prompt_counts, output_counts = count_tokens(
+            [token_ids[i] for i in rows], [num_prompt_tokens[i] for i in rows],
+            logits.shape[1], device)
+        index = torch.tensor(rows, device=device)
+        penalised = apply_penalties(
+            logits.index_select(0, index), prompt_counts, output_counts,
+            presence=_row_tensor([params[i].presence_penalty for i in rows], device),
+            frequency=_row_tensor([params[i].frequency_penalty for i in rows], device),
+            repetition=_row_tensor([params[i].repetition_penalty for i in rows], device))
+        logits = logits.clone()
+        logits[index] = penalised
+        return logits
+
+    def _draw(self, params: list[SamplingParams], logits: torch.Tensor,
+              positions: list[int]) -> torch.Tensor:
+        """Sample rows that are not greedy; returns a new tensor, `logits` is left untouched."""
+        device = logits.device
+        vocab_size = logits.shape[1]
+        logits = logits / _row_tensor([p.temperature for p in params], device).unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            apply_min_p(logits, _row_tensor([p.min_p for p in params], device))
+
+        uniform = torch.rand(len(params), generator=self.generator, dtype=torch.float64).tolist()
+        for row, p in enumerate(params):
+            if p.seed is not None:
+                uniform[row] = seeded_uniform(p.seed, positions[row])
+        uniform = _row_tensor(uniform, device)
+
+        filtered = [i for i, p in enumerate(params) if p.top_k != -1 or p.top_p < 1.0]
+        if not filtered:
+            return sample_full(logits, uniform)
+        tokens = torch.empty(len(params), dtype=torch.int64, device=device)
+        plain = [i for i in range(len(params)) if params[i].top_k == -1 and params[i].top_p >= 1.0]
+        if plain:
+            index = torch.tensor(plain, device=device)
+            tokens[index] = sample_full(logits.index_select(0, index), uniform[index])
+        index = torch.tensor(filtered, device=device)
+        top_k = torch.tensor([min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
+                              for i in filtered], dtype=torch.int64, device=device)
+        top_p = _row_tensor([params[i].top_p for i in filtered], device)
+        rows = logits if len(filtered) == len(params) else logits.index_select(0, index)
+        tokens[index] = sample_top_k_top_p(rows, top_k, top_p, uniform[index])
+        return tokens
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams]
+              ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """Raw-logit logprobs of the chosen tokens and the top-N, computed only for rows that ask."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None, None
+    index = torch.tensor(rows, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits.index_select(0, index), dim=1)
+    chosen_logprobs = logprobs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(params[i].logprobs for i in rows)
+    if max_top > 0:
+        top_values, top_ids = logprobs.topk(max_top, dim=1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+
+    chosen_out = [float("nan")] * len(params)
+    top_out: list[list[tuple[int, float]]] = [[] for _ in params]
+    for j, row in enumerate(rows):
+        chosen_out[row] = chosen_logprobs[j]
+        n = params[row].logprobs
+        if n:
+            top_out[row] = list(zip(top_ids[j][:n], top_values[j][:n]))
+    return chosen_out, top_out

@@ -1,0 +1,1 @@
+"""Building blocks of the sampler: penalties, logit filters and reproducible noise."""
