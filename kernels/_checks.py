@@ -73,3 +73,8 @@ def check_triton_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     require(block_size >= 16 and block_size & (block_size - 1) == 0,
             f"{name}: the Triton kernel needs a power-of-two block_size >= 16, got {block_size}")
     require(head_dim >= 16, f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}")
+
+
+def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Allocate a kernel's output (uninitialized; tests swap this for a NaN-filled one)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
                       dot_precision, require)
 from ._workspace import scratch
@@ -128,7 +129,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     check_triton_cache("paged_decode_attention", k_cache, v_cache)
     require(block_tables.stride(1) == 1,
             f"paged_decode_attention: block_tables rows must be contiguous, got {block_tables.stride()}")
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = _checks.new_output((num_seqs, num_q_heads, head_dim), q)
     if num_seqs == 0:
         return out
     group_size = num_q_heads // num_kv_heads

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
                       dot_precision, require)
 
@@ -42,7 +43,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     _, num_q_heads, _, head_dim = _check_prefill(q, k_cache, v_cache, block_tables,
                                                  cu_seqlens_q, context_lens)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _checks.new_output(tuple(q.shape), q)
     block_size = k_cache.shape[1]
     starts = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -127,7 +128,8 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    # Rows of an empty tile saw no key (l_i == 0); they are masked out of the store.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + q_head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -145,7 +147,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     check_triton_cache("paged_prefill_attention", k_cache, v_cache)
     require(block_tables.stride(1) == 1,
             f"paged_prefill_attention: block_tables rows must be contiguous, got {block_tables.stride()}")
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = _checks.new_output((num_tokens, num_q_heads, head_dim), q)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

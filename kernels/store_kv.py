@@ -54,9 +54,11 @@ def _store_kv_kernel(
 ):
     # One program per token: copies its [Hkv, D] K and V tiles.
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)  # int64: block * stride may exceed 2**31
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
+    # The slot, broadcast over the head axis so the skip test is an ordinary tensor mask.
+    # int64: block * stride may exceed 2**31.
+    slot = tl.load(slot_ptr + token + heads * 0)
     mask = (heads < num_kv_heads) & (dims < head_dim) & (slot >= 0)
     block = slot // block_size
     offset = slot % block_size

@@ -1,0 +1,113 @@
+"""Every Triton kernel against its torch reference (interpreter on CPU, compiled on a GPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import triton_runs_here
+from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
+
+from kernels import _checks
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so any element a kernel forgets to write fails the test."""
+    def nan_output(shape, like):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    monkeypatch.setattr(_checks, "new_output", nan_output)
+
+
+HEADS = [(9, 3), (4, 4)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_matches_reference(triton_kernels, poisoned_outputs, rng, device, block_size,
+                                  num_q_heads, num_kv_heads, dtype):
+    module = triton_kernels["paged_decode_attention"]
+    context_lens = [1, block_size, 2 * block_size + 5, 3 * block_size - 1]
+    head_dim = 32
+    kv_cache = make_kv_cache(rng, 2, 16, block_size, num_kv_heads, head_dim, dtype).to(device)
+    k_cache, v_cache = kv_cache[1, 0], kv_cache[1, 1]
+    tables = shuffled_block_tables(rng, context_lens, block_size, 16).to(device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    # q as a strided view of a wider projection, like the model's fused qkv output.
+    qkv = torch.randn(len(context_lens), num_q_heads + 2, head_dim, generator=rng).to(device, dtype)
+    q = qkv[:, :num_q_heads]
+    scale = head_dim ** -0.5
+    out = module.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale)
+    expected = module.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(),
+                                                 tables, lens, scale)
+    assert rel_error(out, expected) < (1e-3 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+def test_prefill_matches_reference(triton_kernels, poisoned_outputs, rng, device, block_size,
+                                   num_q_heads, num_kv_heads):
+    """Ragged batch: a whole prompt, a chunk after a cached prefix, a 1-token chunk, and a chunk
+    longer than one query tile."""
+    module = triton_kernels["paged_prefill_attention"]
+    head_dim = 16
+    q_lens = [7, 13, 1, 40]
+    context_lens = [7, block_size + 21, 2 * block_size + 3, 45]
+    kv_cache = make_kv_cache(rng, 1, 20, block_size, num_kv_heads, head_dim, torch.float32)
+    k_cache, v_cache = kv_cache[0, 0].to(device), kv_cache[0, 1].to(device)
+    tables = shuffled_block_tables(rng, context_lens, block_size, 20).to(device)
+    cu_seqlens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                              device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=rng).to(device)
+    scale = 0.7
+    out = module.paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens,
+                                                scale)
+    expected = module.paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu_seqlens, lens,
+                                                  scale)
+    assert rel_error(out, expected) < 1e-3
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv_matches_reference(triton_kernels, rng, device, block_size):
+    module = triton_kernels["store_kv"]
+    num_kv_heads, head_dim, num_blocks = 3, 24, 6   # non power-of-two heads and dims: masked
+    kv_cache = torch.full((2, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                          device=device)
+    expected = kv_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=rng)[:10]
+    slots[3] = slots[7] = -1
+    slots = slots.to(device)
+    key = torch.randn(10, num_kv_heads, head_dim, generator=rng).to(device)
+    value = torch.randn(10, num_kv_heads, head_dim, generator=rng).to(device)
+    module.store_kv_triton(key, value, kv_cache[1, 0], kv_cache[1, 1], slots)
+    module.store_kv_ref(key, value, expected[1, 0], expected[1, 1], slots)
+    assert torch.equal(kv_cache.isnan(), expected.isnan())
+    written = ~expected.isnan()
+    assert written.sum() == 8 * 2 * num_kv_heads * head_dim   # the two -1 slots were skipped
+    assert torch.equal(kv_cache[written], expected[written])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_copy_blocks_matches_reference(triton_kernels, rng, device, block_size):
+    module = triton_kernels["copy_blocks"]
+    kv_cache = make_kv_cache(rng, 3, 10, block_size, 2, 16, torch.float32).to(device)
+    kv_cache[:, :, 6:] = float("nan")                    # destinations start poisoned
+    expected = kv_cache.clone()
+    mapping = torch.tensor([[4, 7], [0, 9], [4, 6]], dtype=torch.int64, device=device)
+    module.copy_blocks_triton(kv_cache, mapping)
+    module.copy_blocks_ref(expected, mapping)
+    assert torch.equal(kv_cache[:, :, :8], expected[:, :, :8])
+    assert torch.equal(kv_cache[:, :, 9], expected[:, :, 9])
+    assert torch.equal(kv_cache[:, :, 7], kv_cache[:, :, 4])
+    assert kv_cache[:, :, 8].isnan().all()               # untouched block stays untouched
+
+
+@pytest.mark.skipif(triton_runs_here(), reason="the Triton tests above run in this process")
+def test_triton_suite_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.split("\n")[-2]
