@@ -174,7 +174,8 @@ def test_leading_space_matches_decode_of_full_ids():
     prompt, full = encode(tok, "Hello"), encode(tok, "Hello world")
     output = full[len(prompt):]
     assert full[:len(prompt)] == prompt
-    assert tok.decode(output, skip_special_tokens=True) == "world", "this tokenizer drops a first token's leading space"
+    # On its own, this tokenizer drops the first token's leading space.
+    assert tok.decode(output, skip_special_tokens=True) == "world"
     assert "".join(stream(tok, prompt, output, [1])) == " world"
 
 
@@ -185,7 +186,8 @@ def test_stream_equals_full_decode_difference_sentencepiece(text, data, chunk_si
     ids = encode(tok, text)
     split = data.draw(st.integers(0, len(ids)), label="prompt length")
     prompt, output = ids[:split], ids[split:]
-    prompt_text, full_text = tok.decode(prompt, skip_special_tokens=True), tok.decode(ids, skip_special_tokens=True)
+    prompt_text = tok.decode(prompt, skip_special_tokens=True)
+    full_text = tok.decode(ids, skip_special_tokens=True)
     assume(full_text.startswith(prompt_text))  # the prompt does not end inside a character
     assert "".join(stream(tok, prompt, output, chunk_sizes)) == full_text[len(prompt_text):]
 
@@ -218,7 +220,8 @@ def test_real_tokenizer_stream_equals_decode(smollm2_tokenizer, text, data, chun
     ids = encode(tok, text)
     split = data.draw(st.integers(0, len(ids)), label="prompt length")
     output = ids[split:]
-    assert "".join(stream(tok, ids[:split], output, chunk_sizes)) == tok.decode(output, skip_special_tokens=True)
+    expected = tok.decode(output, skip_special_tokens=True)
+    assert "".join(stream(tok, ids[:split], output, chunk_sizes)) == expected
 
 
 @pytest.mark.slow
