@@ -1,0 +1,170 @@
+"""WorkerCore driven by real StepPlans from a minimal greedy scheduler, against transformers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
+from pipeline.sampling_params import SamplingParams
+from workers.loader import load_config
+from workers.model_runner import ModelRunner, SeqStep
+from workers.sampler import Sampler
+from workers.testing import hf_greedy, make_tiny_llama
+from workers.worker_core import WorkerCore, child_sampling
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1000)
+
+
+def empty_plan(step_id, **fields) -> StepPlan:
+    plan = dict(step_id=step_id, new_seqs=[], scheduled=[], swap_out=[], swap_in=[], copy=[],
+                forks=[], finished_seq_ids=[])
+    return StepPlan(**{**plan, **fields})
+
+
+class GreedyScheduler:
+    """Every live sequence runs every step; prompts go in chunks; blocks come from a shuffled
+    free list so block tables are non-contiguous. Plans are diffs, as the real scheduler's."""
+
+    def __init__(self, prompts, max_new_tokens, chunk, num_blocks, seed=0):
+        self.free = np.random.default_rng(seed).permutation(num_blocks).tolist()
+        self.max_new_tokens, self.chunk = max_new_tokens, chunk
+        self.tokens = {i: list(p) for i, p in enumerate(prompts)}
+        self.prompt_len = {i: len(p) for i, p in enumerate(prompts)}
+        self.computed = dict.fromkeys(self.tokens, 0)
+        self.blocks: dict[int, list[int]] = {i: [] for i in self.tokens}
+        self.unsent = {i: [] for i in self.tokens}       # sampled ids the workers have not seen
+        self.announced: set[int] = set()
+        self.finished: list[int] = []
+        self.step_id = 0
+
+    def outputs(self, seq_id):
+        return self.tokens[seq_id][self.prompt_len[seq_id]:]
+
+    def live(self):
+        return [i for i in self.tokens if len(self.outputs(i)) < self.max_new_tokens]
+
+    def plan(self) -> StepPlan:
+        new_seqs, scheduled = [], []
+        for i in self.live():
+            n = min(self.chunk, len(self.tokens[i]) - self.computed[i])
+            new_blocks = []
+            while (len(self.blocks[i]) + len(new_blocks)) * BLOCK_SIZE < self.computed[i] + n:
+                new_blocks.append(self.free.pop())
+            if i not in self.announced:
+                new_seqs.append(NewSeq(i, self.tokens[i], [], GREEDY, [], 0))
+                self.announced.add(i)
+            scheduled.append(ScheduledSeq(i, n, new_blocks, self.unsent[i]))
+            self.blocks[i] += new_blocks
+            self.unsent[i] = []
+            self.computed[i] += n
+        self.step_id += 1
+        plan = empty_plan(self.step_id, new_seqs=new_seqs, scheduled=scheduled,
+                          finished_seq_ids=self.finished)
+        self.finished = []
+        return plan
+
+    def update(self, result: StepResult) -> None:
+        assert result.step_id == self.step_id
+        for seq_id, token in zip(result.seq_ids, result.token_ids):
+            self.tokens[seq_id].append(token)
+            self.unsent[seq_id].append(token)
+            if len(self.outputs(seq_id)) == self.max_new_tokens:
+                self.finished.append(seq_id)
+                self.free += self.blocks.pop(seq_id)
+                self.blocks[seq_id] = []
+
+
+def run_greedy(execute, prompts, max_new_tokens, *, chunk=7, num_blocks=64, seed=0):
+    """Drive `execute(plan) -> StepResult` until every prompt has max_new_tokens outputs."""
+    scheduler = GreedyScheduler(prompts, max_new_tokens, chunk, num_blocks, seed)
+    while scheduler.live():
+        scheduler.update(execute(scheduler.plan()))
+    execute(scheduler.plan())             # tells the workers the last sequences finished
+    return [scheduler.outputs(i) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+def make_core(model_dir, *, num_blocks=64, num_cpu_blocks=0, sampler=True):
+    runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", BLOCK_SIZE,
+                         num_blocks)
+    return WorkerCore(runner, Sampler(seed=0) if sampler else None, num_cpu_blocks)
+
+
+def test_greedy_plans_match_transformers(tiny_dir):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (12, 30, 3, 47)]
+    core = make_core(tiny_dir)
+    assert run_greedy(core.execute, prompts, 12) == hf_greedy(tiny_dir, prompts, 12)
+    assert core.seqs == {}                # every finished sequence was dropped
+
+
+def test_rank_without_sampler_computes_and_returns_none(tiny_dir):
+    core = make_core(tiny_dir, sampler=False)
+    plan = GreedyScheduler([[5, 6, 7]], 1, 7, 64).plan()
+    assert core.execute(plan) is None
+    assert core.seqs[0].num_computed_tokens == 3
+
+
+def test_fork_children_sample_the_parent_row_with_their_own_seeds(tiny_dir):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234)
+    prompt = list(range(10, 30))
+    plan = empty_plan(1, new_seqs=[NewSeq(7, prompt, [], params, [9, 4], 0)],
+                      scheduled=[ScheduledSeq(7, 20, [], [])], forks=[Fork(7, [8, 9])])
+    core = make_core(tiny_dir)
+    result = core.execute(plan)
+    assert result.seq_ids == [7, 8, 9]
+    # The same logits row sampled alone with each sample's params gives the same tokens.
+    logits = make_core(tiny_dir).runner.execute([SeqStep(prompt, 0, [9, 4], True)])
+    for index, token in enumerate(result.token_ids):
+        alone = Sampler()(logits, [child_sampling(params, index)], [prompt], [20])
+        assert alone.token_ids == [token]
+    assert len({child_sampling(params, i).seed for i in range(3)}) == 3
+    child = core.seqs[9]
+    assert (child.token_ids, child.block_ids, child.num_computed_tokens) == (prompt, [9, 4], 20)
+    assert child.block_ids is not core.seqs[7].block_ids
+    # Re-sent as NewSeq (e.g. after swap-in) a child keeps its derived seed.
+    core.execute(empty_plan(2, new_seqs=[NewSeq(9, prompt, [result.token_ids[2]], params, [9, 4], 20)]))
+    assert core.seqs[9].sampling.seed == child_sampling(params, 2).seed
+
+
+def test_copy_on_write_copies_every_layer(tiny_dir):
+    core = make_core(tiny_dir)
+    core.execute(empty_plan(1, new_seqs=[NewSeq(1, list(range(3, 40)), [], GREEDY, [5, 2, 11], 0)],
+                            scheduled=[ScheduledSeq(1, 37, [], [])]))
+    kv = core.runner.kv_cache
+    assert not torch.equal(kv[:, :, 11], kv[:, :, 30])
+    core.execute(empty_plan(2, copy=[(11, 30)]))
+    assert torch.equal(kv[:, :, 11], kv[:, :, 30])
+
+
+def test_swap_out_and_back_in_elsewhere_keeps_generation_exact(tiny_dir):
+    prompt = list(range(100, 140))
+    expected = hf_greedy(tiny_dir, [prompt], 4)[0]
+    core = make_core(tiny_dir, num_blocks=16, num_cpu_blocks=8)
+    r1 = core.execute(empty_plan(1, new_seqs=[NewSeq(1, prompt, [], GREEDY, [3, 7, 1], 0)],
+                                 scheduled=[ScheduledSeq(1, 40, [], [])]))
+    # Preempted by swapping: device blocks 3, 7, 1 -> host 6, 0, 2; then the device blocks are
+    # reused by another sequence (overwritten), and the sequence comes back in 12, 4, 9.
+    core.execute(empty_plan(2, swap_out=[(3, 6), (7, 0), (1, 2)]))
+    core.execute(empty_plan(3, new_seqs=[NewSeq(2, list(range(48)), [], GREEDY, [3, 7, 1], 0)],
+                            scheduled=[ScheduledSeq(2, 48, [], [])]))
+    out = [r1.token_ids[0]]
+    plan = empty_plan(4, swap_in=[(6, 12), (0, 4), (2, 9)], finished_seq_ids=[2],
+                      new_seqs=[NewSeq(1, prompt, out[:], GREEDY, [12, 4, 9], 40)],
+                      scheduled=[ScheduledSeq(1, 1, [], [])])
+    for step in range(5, 8):
+        out.append(core.execute(plan).token_ids[0])
+        plan = empty_plan(step, scheduled=[ScheduledSeq(1, 1, [], [out[-1]])])
+    assert out == expected
+
+
+def test_unknown_sequence_is_a_clear_error(tiny_dir):
+    core = make_core(tiny_dir)
+    with pytest.raises(ValueError, match="scheduled sequence 42 is unknown"):
+        core.execute(empty_plan(1, scheduled=[ScheduledSeq(42, 1, [], [])]))

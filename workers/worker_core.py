@@ -1,0 +1,139 @@
+"""The socket-free heart of a worker rank: applies one StepPlan to its sequence state and KV
+cache, runs the model, and (on rank 0) samples. The worker process only adds the sockets.
+
+Plan order (pipeline/messages.py): finished_seq_ids, new_seqs, swap_out, swap_in, copy, then the
+scheduled sequences, then forks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+import kernels
+from pipeline.messages import NewSeq, StepPlan, StepResult
+from pipeline.sampling_params import SamplingParams
+from workers.kv_cache import allocate_swap_pool
+from workers.model_runner import ModelRunner, SeqStep
+from workers.sampler import Sampler
+
+_INT64 = 1 << 64
+
+
+def child_sampling(params: SamplingParams, sample_index: int) -> SamplingParams:
+    """Params of the `sample_index`-th sample of an n > 1 request (the parent is sample 0).
+
+    A seeded row's randomness depends on (seed, length) only, so children must not share the
+    parent's seed or they would draw the same tokens; each gets a seed derived from it, which
+    keeps the whole request reproducible.
+    """
+    if params.seed is None or sample_index == 0:
+        return params
+    mixed = (params.seed + sample_index * 0x9E3779B97F4A7C15) % _INT64
+    return msgspec.structs.replace(params, seed=mixed - _INT64 if mixed >= 1 << 63 else mixed)
+
+
+@dataclass(slots=True)
+class SeqState:
+    token_ids: list[int]          # prompt + outputs known to the workers
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    def clone(self) -> SeqState:
+        return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
+                        list(self.block_ids), self.num_computed_tokens)
+
+
+class WorkerCore:
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None, num_cpu_blocks: int = 0) -> None:
+        """`sampler` is given on rank 0 only; other ranks compute and return None."""
+        self.runner, self.sampler = runner, sampler
+        self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks)
+        self.seqs: dict[int, SeqState] = {}
+        self._sample_index: dict[int, int] = {}   # fork children: their index among the samples
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+            self._sample_index.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self._register(new)
+        self._move_blocks(plan)
+
+        items, sampled_ids = self._collect(plan)
+        logits = self.runner.execute(items)
+        for scheduled in plan.scheduled:
+            self.seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_tokens
+
+        rows = {seq_id: row for row, seq_id in enumerate(sampled_ids)}
+        row_ids = list(sampled_ids)
+        for fork in plan.forks:
+            parent = self._state(fork.parent_id, "fork")
+            for index, child_id in enumerate(fork.child_ids, start=1):
+                child = parent.clone()
+                child.sampling = child_sampling(parent.sampling, index)
+                self.seqs[child_id], self._sample_index[child_id] = child, index
+                if fork.parent_id in rows:
+                    row_ids.append(child_id)
+                    rows[child_id] = rows[fork.parent_id]
+        if self.sampler is None:
+            return None
+        return self._sample(plan.step_id, logits, row_ids, [rows[s] for s in row_ids])
+
+    def _register(self, new: NewSeq) -> None:
+        sampling = new.sampling
+        if new.seq_id in self._sample_index:    # a fork child re-sent (swap-in, recompute, ...)
+            sampling = child_sampling(sampling, self._sample_index[new.seq_id])
+        self.seqs[new.seq_id] = SeqState(
+            list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
+            sampling, list(new.block_ids), new.num_computed_tokens)
+
+    def _move_blocks(self, plan: StepPlan) -> None:
+        kv_cache = self.runner.kv_cache
+        if plan.swap_out:
+            kernels.swap_blocks(kv_cache, self.swap_pool, _mapping(plan.swap_out, kv_cache.device))
+        if plan.swap_in:
+            kernels.swap_blocks(self.swap_pool, kv_cache, _mapping(plan.swap_in, kv_cache.device))
+        if plan.copy:
+            kernels.copy_blocks(kv_cache, _mapping(plan.copy, kv_cache.device))
+
+    def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
+        items, sampled_ids = [], []
+        for scheduled in plan.scheduled:
+            state = self._state(scheduled.seq_id, "scheduled")
+            state.block_ids.extend(scheduled.new_block_ids)
+            state.token_ids.extend(scheduled.new_token_ids)
+            start, end = state.num_computed_tokens, state.num_computed_tokens + scheduled.num_tokens
+            if end > len(state.token_ids):
+                raise ValueError(f"seq {scheduled.seq_id}: asked to compute tokens [{start}, {end}) "
+                                 f"but only {len(state.token_ids)} are known")
+            sample = end == len(state.token_ids)
+            items.append(SeqStep(state.token_ids[start:end], start, state.block_ids, sample))
+            if sample:
+                sampled_ids.append(scheduled.seq_id)
+        return items, sampled_ids
+
+    def _sample(self, step_id: int, logits: torch.Tensor, seq_ids: list[int],
+                rows: list[int]) -> StepResult:
+        if not seq_ids:
+            return StepResult(step_id, [], [], None, None)
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        states = [self.seqs[s] for s in seq_ids]
+        out = self.sampler(logits, [s.sampling for s in states], [s.token_ids for s in states],
+                           [s.num_prompt_tokens for s in states])
+        return StepResult(step_id, seq_ids, out.token_ids, out.logprobs, out.top_logprobs)
+
+    def _state(self, seq_id: int, what: str) -> SeqState:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"{what} sequence {seq_id} is unknown to this worker "
+                             "(never sent as NewSeq, or already finished)") from None
+
+
+def _mapping(pairs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2).to(device)
