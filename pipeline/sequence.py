@@ -86,7 +86,8 @@ class Sequence:
     """One sample's state. Cheap attribute access matters: thousands are touched every step."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
-                 "num_computed_tokens", "num_reserved_tokens", "status", "parent_id",
+                 "num_computed_tokens", "num_reserved_tokens", "num_kv_tokens", "shared_tail",
+                 "status", "parent_id",
                  "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
                  "last_step", "preempted_step")
 
@@ -98,7 +99,12 @@ class Sequence:
         self.token_ids = token_ids  # prompt + outputs
         self.num_prompt_tokens = request.num_prompt_tokens
         self.num_computed_tokens = 0
-        self.num_reserved_tokens = 0  # slots held in the KV cache manager
+        self.num_reserved_tokens = 0  # KV slots it holds
+        # Slots the KV cache manager has been told about. The difference lies inside the
+        # sequence's own, unshared last block and is reported lazily (before cache_blocks, swap
+        # or fork), which saves a manager call on most decode steps.
+        self.num_kv_tokens = 0
+        self.shared_tail = False  # its last block may be shared (just forked): no lazy slots
         self.status = SequenceStatus.WAITING
         self.parent_id = parent_id
         # What the workers hold, so plans are diffs.

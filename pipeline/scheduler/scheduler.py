@@ -64,6 +64,29 @@ class _PlanBuilder:
         self.fork_children: list[Sequence] = []
 
 
+class _Rows:
+    """A sequence's row in a StepResult, for rows not in plan order (workers answer in plan
+    order, so `update` finds almost every row with a cursor and never builds this index)."""
+
+    __slots__ = ("result", "index")
+
+    def __init__(self, result: StepResult) -> None:
+        if len(result.token_ids) != len(result.seq_ids):
+            raise ValueError(f"StepResult for step {result.step_id} has {len(result.seq_ids)} "
+                             f"seq_ids but {len(result.token_ids)} token_ids")
+        self.result = result
+        self.index: dict[int, int] | None = None
+
+    def find(self, seq_id: int) -> int:
+        if self.index is None:
+            self.index = {sid: r for r, sid in enumerate(self.result.seq_ids)}
+        row = self.index.get(seq_id)
+        if row is None:
+            raise ValueError(f"StepResult for step {self.result.step_id} has no token for "
+                             f"sequence {seq_id}, which reached the end of its tokens")
+        return row
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache, eos_token_ids=()) -> None:
         if kv_cache.block_size != config.block_size:
@@ -168,18 +191,50 @@ class Scheduler:
                         b.forks, finished)
 
     def _schedule_running(self, b: _PlanBuilder, new_running: list[Sequence]) -> None:
-        reserve, emit = self._reserve, self._emit
+        """One token for every decoding sequence. The common case (one new slot, no copy, no
+        preemption, nothing to resend) is inlined: this loop runs for every sequence, every step."""
+        append_slots = self.kv.append_slots
+        scheduled, planned, keep = b.scheduled.append, b.seqs.append, new_running.append
+        bs, step_id = self.block_size, b.step_id
         for seq in self.running:
             if seq.status is not RUNNING:
                 continue  # finished or preempted since
-            num_new = len(seq.token_ids) - seq.num_computed_tokens
-            if num_new > b.budget:
-                num_new = b.budget
-            if num_new and reserve(seq, num_new, b):
-                emit(seq, num_new, b)
-                new_running.append(seq)
-            elif seq.status is RUNNING:
-                new_running.append(seq)
+            tokens = seq.token_ids
+            num_tokens = len(tokens)
+            needed = num_tokens  # decoding computes the last sampled token: one new slot
+            if (num_tokens - seq.num_computed_tokens != 1 or seq.needs_full_send
+                    or needed <= seq.num_reserved_tokens or b.budget <= 0):
+                self._schedule_one_running(seq, b, keep)
+                continue
+            if needed <= seq.num_blocks_sent * bs and not seq.shared_tail:
+                new_blocks = []  # the slot is in its own last block: tell the manager later
+            else:
+                cow = append_slots(seq.seq_id, needed - seq.num_kv_tokens)
+                if cow is None or cow:  # out of blocks, or its last block was shared
+                    if cow:
+                        self._grew(seq, needed, cow, b)
+                    self._schedule_one_running(seq, b, keep)
+                    continue
+                seq.num_kv_tokens = needed
+                seq.shared_tail = False
+                new_blocks = self.kv.block_table(seq.seq_id)[seq.num_blocks_sent:]
+                seq.num_blocks_sent += len(new_blocks)
+            seq.num_reserved_tokens = needed
+            scheduled(ScheduledSeq(seq.seq_id, 1, new_blocks, tokens[seq.num_tokens_sent:]))
+            seq.num_tokens_sent = num_tokens
+            seq.step_tokens = 1
+            seq.last_step = step_id
+            b.budget -= 1
+            planned(seq)
+            keep(seq)
+
+    def _schedule_one_running(self, seq: Sequence, b: _PlanBuilder, keep) -> None:
+        """The general path for a running sequence: may preempt, resend or compute several."""
+        num_new = min(len(seq.token_ids) - seq.num_computed_tokens, b.budget)
+        if num_new > 0 and self._reserve(seq, num_new, b):
+            self._emit(seq, num_new, b)
+        if seq.status is RUNNING:
+            keep(seq)
 
     def _schedule_prefilling(self, b: _PlanBuilder, new_running: list[Sequence],
                              new_prefilling: list[Sequence]) -> None:
@@ -203,7 +258,11 @@ class Scheduler:
             if seq.status is not SWAPPED:
                 heapq.heappop(self.swapped)
                 continue
-            if not kv.can_swap_in(seq.seq_id):
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            chunk = min(remaining, b.budget)
+            if not self.config.enable_chunked_prefill and chunk < remaining:
+                chunk = 0
+            if not self._can_swap_in(seq, chunk):
                 break
             heapq.heappop(self.swapped)
             b.swap_in.extend(kv.swap_in(seq.seq_id))
@@ -211,15 +270,21 @@ class Scheduler:
             self.num_running += 1
             seq.status = RUNNING
             seq.needs_full_send = True  # its block ids changed
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
-            chunk = min(remaining, b.budget)
-            if not self.config.enable_chunked_prefill and chunk < remaining:
-                chunk = 0
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
             if chunk and self._grow(seq, chunk, b):
                 self._emit(seq, chunk, b)
             (new_running if chunk == remaining else new_prefilling).append(seq)
+
+    def _can_swap_in(self, seq: Sequence, chunk: int) -> bool:
+        """Room above the watermark for its blocks and for the ones its next chunk adds, so a
+        swapped-in sequence can run at once instead of being pushed straight back out."""
+        kv, bs = self.kv, self.block_size
+        if not kv.can_swap_in(seq.seq_id):
+            return False
+        held = -(-seq.num_reserved_tokens // bs)
+        grow = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - held)
+        return kv.num_free_blocks - held - grow >= self.num_watermark_blocks
 
     def _schedule_waiting(self, b: _PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
@@ -255,7 +320,7 @@ class Scheduler:
         if got is None:
             return None
         seq.num_computed_tokens = got
-        seq.num_reserved_tokens = got + chunk
+        seq.num_reserved_tokens = seq.num_kv_tokens = got + chunk
         chunk = min(chunk, total - got)
         seq.status = RUNNING
         self.num_waiting -= 1
@@ -280,17 +345,37 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, num_new: int, b: _PlanBuilder) -> bool:
+        """Hold slots up to num_computed + num_new; False (nothing changed) if blocks are short."""
         needed = seq.num_computed_tokens + num_new
         if needed <= seq.num_reserved_tokens:
             return True
-        cow = self.kv.append_slots(seq.seq_id, needed - seq.num_reserved_tokens)
+        bs = self.block_size
+        if not seq.shared_tail and needed <= -(-seq.num_kv_tokens // bs) * bs:
+            seq.num_reserved_tokens = needed  # inside its own last block: reported lazily
+            return True
+        cow = self.kv.append_slots(seq.seq_id, needed - seq.num_kv_tokens)
         if cow is None:
             return False
-        seq.num_reserved_tokens = needed
+        self._grew(seq, needed, cow, b)
+        return True
+
+    @staticmethod
+    def _grew(seq: Sequence, needed: int, cow: list[tuple[int, int]], b: _PlanBuilder) -> None:
+        seq.num_reserved_tokens = seq.num_kv_tokens = needed
+        seq.shared_tail = False
         if cow:
             b.copy.extend(cow)
             seq.needs_full_send = True  # a block in its table was replaced
-        return True
+
+    def _sync_kv(self, seq: Sequence) -> None:
+        """Report lazily held slots to the manager (they never need a block or a copy)."""
+        lag = seq.num_reserved_tokens - seq.num_kv_tokens
+        if lag:
+            cow = self.kv.append_slots(seq.seq_id, lag)
+            if cow is None or cow:
+                raise RuntimeError(f"seq {seq.seq_id}: lazily held slots needed a block or a "
+                                   f"copy ({cow}); the slot bookkeeping is wrong")
+            seq.num_kv_tokens = seq.num_reserved_tokens
 
     def _pick_victim(self, step_id: int) -> Sequence:
         """The running sequence not yet scheduled this step with the largest policy key."""
@@ -325,6 +410,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, b: _PlanBuilder) -> None:
         kv = self.kv
+        self._sync_kv(seq)
         can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
         self.num_preemptions += 1
         self.num_running -= 1
@@ -337,7 +423,8 @@ class Scheduler:
             heapq.heappush(self.swapped, (self.policy.key(seq), seq))
         else:
             kv.free(seq.seq_id)
-            seq.num_computed_tokens = seq.num_reserved_tokens = 0
+            seq.num_computed_tokens = seq.num_reserved_tokens = seq.num_kv_tokens = 0
+            seq.shared_tail = False
             self._push_waiting(seq)
 
     # ------------------------------------------------------------------ plan diffs
@@ -377,6 +464,8 @@ class Scheduler:
         and sample from the same logits."""
         req = parent.request
         req.forked = True
+        self._sync_kv(parent)
+        parent.shared_tail = True
         children = []
         for index in range(1, req.sampling.n):
             child = self._new_seq(req, index, parent.token_ids[:])
@@ -384,7 +473,8 @@ class Scheduler:
             child.parent_id = parent.seq_id
             child.status = RUNNING
             child.num_computed_tokens = parent.num_computed_tokens + parent.step_tokens
-            child.num_reserved_tokens = parent.num_reserved_tokens
+            child.num_reserved_tokens = child.num_kv_tokens = parent.num_reserved_tokens
+            child.shared_tail = True
             child.needs_full_send = False  # the workers copy the parent's state
             child.num_tokens_sent = parent.num_tokens_sent
             child.num_blocks_sent = parent.num_blocks_sent
@@ -405,38 +495,54 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
         self._inflight = None
-        row_of = {sid: row for row, sid in enumerate(result.seq_ids)}
         outputs: list[SequenceOutput] = []
+        rows = _Rows(result)
         bs = self.block_size
         caching = self.config.enable_prefix_caching
+        emit = outputs.append
+        no_logprobs = result.logprobs is None and result.top_logprobs is None
+        seq_ids, token_ids = result.seq_ids, result.token_ids
+        num_rows, cursor = len(seq_ids), 0
         for seq in b.seqs:
             if seq.status is not RUNNING:
                 continue  # aborted or stopped while the step ran
             old = seq.num_computed_tokens
             new = seq.num_computed_tokens = old + seq.step_tokens
             if caching and new // bs > old // bs:
+                if new > seq.num_kv_tokens:
+                    self._sync_kv(seq)
                 self.kv.cache_blocks(seq.seq_id, seq.token_ids, new)
-            if new == len(seq.token_ids):
-                self._sample(seq, row_of, result, outputs)
+            tokens = seq.token_ids
+            if new != len(tokens):
+                continue  # mid-prefill or catching up after a recompute: nothing sampled
+            row = cursor
+            if row >= num_rows or seq_ids[row] != seq.seq_id:
+                row = rows.find(seq.seq_id)
+            cursor = row + 1
+            token = token_ids[row]
+            tokens.append(token)
+            req = seq.request
+            if (token in req.stop_ids or len(tokens) - seq.num_prompt_tokens
+                    >= req.max_output_tokens or not no_logprobs):
+                emit(self._finish_sampled(seq, token, row, result))
+            else:
+                emit(SequenceOutput(req.request_id, seq.index, [token]))
         for seq in b.fork_children:
             if seq.status is RUNNING:
-                self._sample(seq, row_of, result, outputs)
+                row = rows.find(seq.seq_id)
+                token = result.token_ids[row]
+                seq.token_ids.append(token)
+                emit(self._finish_sampled(seq, token, row, result))
+        self.generation_tokens += len(outputs)
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)
         return outputs
 
-    def _sample(self, seq: Sequence, row_of: dict, result: StepResult,
-                outputs: list[SequenceOutput]) -> None:
-        row = row_of.get(seq.seq_id)
-        if row is None:
-            raise ValueError(f"StepResult for step {result.step_id} has no token for sequence "
-                             f"{seq.seq_id}, which reached the end of its tokens")
-        token = result.token_ids[row]
-        tokens = seq.token_ids
-        tokens.append(token)
-        self.generation_tokens += 1
+    def _finish_sampled(self, seq: Sequence, token: int, row: int, result: StepResult
+                        ) -> SequenceOutput:
+        """The output for a freshly appended token, applying the stop rules."""
         req = seq.request
-        num_out = len(tokens) - seq.num_prompt_tokens
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
         status = None
         if token in req.stop_ids and num_out >= req.min_tokens:
             status = FINISHED_STOPPED
@@ -445,8 +551,8 @@ class Scheduler:
         request_finished = status is not None and self._finish(seq, status)
         lp = None if result.logprobs is None else [result.logprobs[row]]
         tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
-        outputs.append(SequenceOutput(req.request_id, seq.index, [token],
-                                      FINISH_REASONS.get(status), request_finished, lp, tlp))
+        return SequenceOutput(req.request_id, seq.index, [token], FINISH_REASONS.get(status),
+                              request_finished, lp, tlp)
 
     # ------------------------------------------------------------------ bookkeeping
 

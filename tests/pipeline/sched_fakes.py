@@ -1,0 +1,160 @@
+"""A fake worker group for scheduler tests.
+
+It rebuilds every sequence's state from the plans alone (as a real worker must), keeps a fake KV
+pool whose slots hold the token id computed there, applies swaps and copies to it, and samples
+from the history it reads back out of the pool. The next token is a deterministic function of
+(seq_id, full token history), so a wrong diff, block id, copy, swap or prefix-cache hit shows up
+either as an AssertionError here or as different tokens from the reference `expected_tokens`.
+"""
+from __future__ import annotations
+
+import zlib
+from array import array
+
+from pipeline.messages import StepPlan, StepResult
+
+
+def next_token(salt: int, history: list[int], vocab: int) -> int:
+    return zlib.crc32(array("q", history).tobytes(), salt) % vocab
+
+
+def expected_tokens(prompt: list[int], num_tokens: int, vocab: int, salt: int = 0,
+                    stop_ids=(), min_tokens: int = 0) -> list[int]:
+    """What a sequence generates when nothing goes wrong (stops at a stop id after min_tokens)."""
+    history, out = list(prompt), []
+    while len(out) < num_tokens:
+        tok = next_token(salt, history, vocab)
+        history.append(tok)
+        out.append(tok)
+        if tok in stop_ids and len(out) >= min_tokens:
+            break
+    return out
+
+
+class _SeqState:
+    __slots__ = ("tokens", "table", "num_computed", "salt")
+
+    def __init__(self, tokens, table, num_computed, salt):
+        self.tokens, self.table, self.num_computed, self.salt = tokens, table, num_computed, salt
+
+
+class FakeWorker:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 vocab: int = 1000, salt_of=None) -> None:
+        self.bs = block_size
+        self.vocab = vocab
+        self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.seqs: dict[int, _SeqState] = {}
+        # salt_of(seq_id) -> the sampling salt; by default all samples of a request differ.
+        self.salt_of = salt_of or (lambda seq_id: 0)
+        self.sampled_positions: list[tuple[int, int]] = []  # (seq_id, len(history)) sampled
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for sid in plan.finished_seq_ids:
+            del self.seqs[sid]
+        for ns in plan.new_seqs:
+            self.seqs[ns.seq_id] = _SeqState(ns.prompt_token_ids + ns.output_token_ids,
+                                             list(ns.block_ids), ns.num_computed_tokens,
+                                             self.salt_of(ns.seq_id))
+        for src, dst in plan.swap_out:
+            self.cpu[dst] = list(self.gpu[src])
+        for src, dst in plan.swap_in:
+            self.gpu[dst] = list(self.cpu[src])
+        for src, dst in plan.copy:
+            self.gpu[dst] = list(self.gpu[src])
+        seq_ids, token_ids = [], []
+        for s in plan.scheduled:
+            st = self.seqs[s.seq_id]
+            st.table.extend(s.new_block_ids)
+            st.tokens.extend(s.new_token_ids)
+            end = st.num_computed + s.num_tokens
+            assert end <= len(st.tokens), f"seq {s.seq_id} computes past its known tokens"
+            assert end <= len(st.table) * self.bs, f"seq {s.seq_id} computes past its blocks"
+            for pos in range(st.num_computed, end):
+                self.gpu[st.table[pos // self.bs]][pos % self.bs] = st.tokens[pos]
+            st.num_computed = end
+            if end == len(st.tokens):
+                seq_ids.append(s.seq_id)
+                token_ids.append(self._sample(s.seq_id, st))
+        for fork in plan.forks:
+            parent = self.seqs[fork.parent_id]
+            for cid in fork.child_ids:
+                child = _SeqState(list(parent.tokens), list(parent.table), parent.num_computed,
+                                  self.salt_of(cid))
+                self.seqs[cid] = child
+                seq_ids.append(cid)
+                token_ids.append(self._sample(cid, child))
+        return StepResult(plan.step_id, seq_ids, token_ids, None, None)
+
+    def _sample(self, seq_id: int, st: _SeqState) -> int:
+        history = [self.gpu[st.table[p // self.bs]][p % self.bs] for p in range(st.num_computed)]
+        assert history == st.tokens[:st.num_computed], (
+            f"seq {seq_id}: the KV cache holds {history} but its tokens are "
+            f"{st.tokens[:st.num_computed]}")
+        self.sampled_positions.append((seq_id, len(history)))
+        return next_token(st.salt, history, self.vocab)
+
+
+def drive(sched, worker, *, now: float = 0.0, max_steps: int = 10_000, check=None,
+          arrivals=None):
+    """Run schedule/execute/update until nothing is unfinished; returns {request_id: {index:
+    tokens}}, {request_id: {index: finish_reason}} and the list of plans."""
+    tokens: dict[str, dict[int, list[int]]] = {}
+    reasons: dict[str, dict[int, str]] = {}
+    plans = []
+    arrivals = dict(arrivals or {})
+    for step in range(max_steps):
+        for req in arrivals.pop(step, []):
+            sched.add(req)
+        if not sched.has_unfinished() and not arrivals:
+            return tokens, reasons, plans
+        plan = sched.schedule(now + step)
+        plans.append(plan)
+        if check is not None:
+            check(sched, plan)
+        result = worker.execute(plan)
+        for out in sched.update(plan, result, now + step):
+            tokens.setdefault(out.request_id, {}).setdefault(out.index, []).extend(
+                out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons.setdefault(out.request_id, {})[out.index] = out.finish_reason
+    raise AssertionError(f"not done after {max_steps} steps: {sched.stats()}")
+
+
+def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, *, eos=(), vocab: int = 1000,
+                   salt_of=None, **config):
+    """A scheduler over a real KVCacheManager plus a FakeWorker of the same pool sizes."""
+    from pipeline.scheduler import Scheduler, SchedulerConfig
+
+    config.setdefault("max_model_len", 256)
+    config.setdefault("watermark", 0.0)
+    cfg = SchedulerConfig(**config)
+    sched = Scheduler.from_config(cfg, num_gpu_blocks, num_cpu_blocks, eos_token_ids=eos)
+    worker = FakeWorker(num_gpu_blocks, num_cpu_blocks, cfg.block_size, vocab, salt_of)
+    return sched, worker
+
+
+def step(sched, worker, now: float = 0.0):
+    """One cycle; returns (plan, outputs)."""
+    plan = sched.schedule(now)
+    return plan, sched.update(plan, worker.execute(plan), now)
+
+
+def brief(plan) -> dict:
+    """The parts of a plan exact tests assert on, as plain tuples."""
+    return {
+        "new": [(n.seq_id, n.block_ids, n.num_computed_tokens, len(n.output_token_ids))
+                for n in plan.new_seqs],
+        "run": [(s.seq_id, s.num_tokens, s.new_block_ids) for s in plan.scheduled],
+        "swap_out": plan.swap_out, "swap_in": plan.swap_in, "copy": plan.copy,
+        "forks": [(f.parent_id, f.child_ids) for f in plan.forks],
+        "finished": plan.finished_seq_ids,
+    }
+
+
+def plan_shape(**parts) -> dict:
+    shape = {"new": [], "run": [], "swap_out": [], "swap_in": [], "copy": [], "forks": [],
+             "finished": []}
+    shape.update(parts)
+    return shape
