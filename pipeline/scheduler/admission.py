@@ -41,6 +41,9 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     if outputs and sampling.n != 1:
         raise RequestRejected(rid, f"already generated tokens can only be resubmitted with n=1, "
                                    f"got n={sampling.n}")
+    if sampling.n > config.max_num_seqs:
+        raise RequestRejected(rid, f"n={sampling.n} samples can never run together: "
+                                   f"max_num_seqs is {config.max_num_seqs}")
     num_prompt, max_len = len(prompt), config.max_model_len
     if sampling.max_tokens is None:
         if num_prompt >= max_len:

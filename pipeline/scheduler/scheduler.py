@@ -296,6 +296,8 @@ class Scheduler:
                 continue
             if seq.preempted_step == b.step_id:
                 break  # pushed out this very step: admitting it back would thrash
+            if not seq.request.forked and self.num_running + seq.request.sampling.n > max_num_seqs:
+                break  # its samples will fork into sequences of their own
             done = self._admit(seq, b)
             if done is None:
                 break  # head-of-line blocking keeps the order fair (no starvation)

@@ -49,6 +49,7 @@ class FakeWorker:
         # salt_of(seq_id) -> the sampling salt; by default all samples of a request differ.
         self.salt_of = salt_of or (lambda seq_id: 0)
         self.sampled_positions: list[tuple[int, int]] = []  # (seq_id, len(history)) sampled
+        self.script: dict[int, list[int]] = {}  # seq_id -> tokens to return instead, in order
 
     def execute(self, plan: StepPlan) -> StepResult:
         for sid in plan.finished_seq_ids:
@@ -93,6 +94,8 @@ class FakeWorker:
             f"seq {seq_id}: the KV cache holds {history} but its tokens are "
             f"{st.tokens[:st.num_computed]}")
         self.sampled_positions.append((seq_id, len(history)))
+        if self.script.get(seq_id):
+            return self.script[seq_id].pop(0)
         return next_token(st.salt, history, self.vocab)
 
 
