@@ -1,0 +1,95 @@
+"""Time the CPU (torch reference) kernels at SmolLM2 shapes; last line is one JSON object.
+
+    .venv/bin/python scripts/bench_kernels.py [--batch 256] [--context 512] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
+from kernels.paged_prefill_attention import paged_prefill_attention_ref  # noqa: E402
+from kernels.store_kv import store_kv_ref  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16   # SmolLM2-135M
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    batch, context, dtype = args.batch, args.context, torch.bfloat16
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq + 8
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(1, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                           generator=gen).to(dtype)
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    scale = HEAD_DIM ** -0.5
+    results = {"threads": torch.get_num_threads(), "batch": batch, "context": context,
+               "dtype": "bfloat16"}
+
+    results["decode_ms"] = best_ms(lambda: paged_decode_attention_ref(
+        q, k_cache, v_cache, tables, context_lens, scale), args.repeats)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
+    results["decode_kv_gb_s"] = kv_bytes / results["decode_ms"] / 1e6
+
+    def decode_sdpa_fresh_gather():   # the reference without its reused scratch buffers
+        ids = tables.reshape(-1).long()
+        keys = k_cache.index_select(0, ids).view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        values = v_cache.index_select(0, ids).view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        return F.scaled_dot_product_attention(
+            q.view(batch, NUM_Q_HEADS, 1, HEAD_DIM), keys.transpose(1, 2), values.transpose(1, 2),
+            scale=scale, enable_gqa=True)
+    results["decode_sdpa_fresh_alloc_ms"] = best_ms(decode_sdpa_fresh_gather, args.repeats)
+
+    def decode_fp32_einsum():         # fp32 matmul + softmax on the gathered pages
+        ids = tables.reshape(-1).long()
+        keys = k_cache.index_select(0, ids).view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        values = v_cache.index_select(0, ids).view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+        grouped = q.view(batch, NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM).float()
+        scores = torch.einsum("bhgd,bthd->bhgt", grouped, keys.float()) * scale
+        return torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), values.float())
+    results["decode_fp32_einsum_ms"] = best_ms(decode_fp32_einsum, max(2, args.repeats // 3))
+
+    slots = torch.arange(batch, dtype=torch.int64) * BLOCK_SIZE
+    new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    results["store_kv_decode_ms"] = best_ms(
+        lambda: store_kv_ref(new_k, new_k, k_cache, v_cache, slots), args.repeats)
+
+    prompt = min(512, context)
+    prefill_q = torch.randn(prompt, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    results["prefill_512_ms"] = best_ms(lambda: paged_prefill_attention_ref(
+        prefill_q, k_cache, v_cache, tables[:1], torch.tensor([0, prompt], dtype=torch.int32),
+        torch.tensor([prompt], dtype=torch.int32), scale), args.repeats)
+
+    for key, value in results.items():
+        print(f"{key:>28}: {value:.2f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
