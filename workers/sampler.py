@@ -13,7 +13,7 @@ import torch
 
 from pipeline.sampling_params import SamplingParams
 from workers.sampling.draw import apply_min_p, sample_full, sample_top_k_top_p, seeded_uniform
-from workers.sampling.penalties import apply_penalties, count_tokens
+from workers.sampling.penalties import apply_penalties, token_occurrences
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Sampler:
             chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
-            rows = logits if len(random_rows) == num_rows else logits.index_select(0, index)
+            rows = logits if len(random_rows) == num_rows else logits[index]
             drawn = self._draw([params[i] for i in random_rows], rows,
                                [len(token_ids[i]) for i in random_rows])
             chosen[index] = drawn
@@ -69,19 +69,14 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not rows:
             return logits
-        device = logits.device
-        prompt_counts, output_counts = count_tokens(
+        slots, output_counts = token_occurrences(
             [token_ids[i] for i in rows], [num_prompt_tokens[i] for i in rows],
-            logits.shape[1], device)
-        index = torch.tensor(rows, device=device)
-        penalised = apply_penalties(
-            logits.index_select(0, index), prompt_counts, output_counts,
-            presence=_row_tensor([params[i].presence_penalty for i in rows], device),
-            frequency=_row_tensor([params[i].frequency_penalty for i in rows], device),
-            repetition=_row_tensor([params[i].repetition_penalty for i in rows], device))
-        logits = logits.clone()
-        logits[index] = penalised
-        return logits
+            logits.shape[1], rows, logits.device)
+        return apply_penalties(
+            logits.clone(memory_format=torch.contiguous_format), slots, output_counts,
+            presence=_row_tensor([p.presence_penalty for p in params], logits.device),
+            frequency=_row_tensor([p.frequency_penalty for p in params], logits.device),
+            repetition=_row_tensor([p.repetition_penalty for p in params], logits.device))
 
     def _draw(self, params: list[SamplingParams], logits: torch.Tensor,
               positions: list[int]) -> torch.Tensor:
@@ -105,12 +100,12 @@ class Sampler:
         plain = [i for i in range(len(params)) if params[i].top_k == -1 and params[i].top_p >= 1.0]
         if plain:
             index = torch.tensor(plain, device=device)
-            tokens[index] = sample_full(logits.index_select(0, index), uniform[index])
+            tokens[index] = sample_full(logits[index], uniform[index])
         index = torch.tensor(filtered, device=device)
         top_k = torch.tensor([min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
                               for i in filtered], dtype=torch.int64, device=device)
         top_p = _row_tensor([params[i].top_p for i in filtered], device)
-        rows = logits if len(filtered) == len(params) else logits.index_select(0, index)
+        rows = logits if len(filtered) == len(params) else logits[index]
         tokens[index] = sample_top_k_top_p(rows, top_k, top_p, uniform[index])
         return tokens
 
@@ -126,7 +121,8 @@ def _logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, params: list[Sampl
     if not rows:
         return None, None
     index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits.index_select(0, index), dim=1)
+    rows_logits = raw_logits if len(rows) == len(params) else raw_logits[index]
+    logprobs = torch.log_softmax(rows_logits, dim=1)
     chosen_logprobs = logprobs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
     max_top = max(params[i].logprobs for i in rows)
     if max_top > 0:

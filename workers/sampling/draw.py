@@ -77,7 +77,7 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     top_p = torch.where(top_p >= 1.0, 2.0, top_p)
     pending = torch.arange(num_rows, device=logits.device)
     for width in (*[w for w in _CANDIDATE_WIDTHS if w < vocab_size], vocab_size):
-        rows = logits if pending.numel() == num_rows else logits.index_select(0, pending)
+        rows = logits if pending.numel() == num_rows else logits[pending]
         row_top_k, row_top_p = top_k[pending], top_p[pending]
         if width == vocab_size:
             values, candidate_ids = rows.sort(dim=1, descending=True)
@@ -91,7 +91,7 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         log_norm = values.logsumexp(dim=1)
         if not bool(top_k_fits.all()):
             unbounded = (~top_k_fits).nonzero().squeeze(1)
-            log_norm[unbounded] = rows.index_select(0, unbounded).logsumexp(dim=1)
+            log_norm[unbounded] = rows[unbounded].logsumexp(dim=1)
         cdf = (values - log_norm.unsqueeze(1)).exp_().cumsum_(dim=1)
         # Nucleus: keep tokens up to and including the first that brings the mass to top_p.
         nucleus = (cdf < row_top_p.unsqueeze(1)).sum(dim=1) + 1

@@ -1,7 +1,9 @@
 """Presence, frequency and repetition penalties, applied to a batch of logits at once.
 
-The counts are rebuilt from the token ids on every call with one scatter over a flat index
-tensor; that is O(total tokens) but has no Python loop per token.
+Only the (row, token) pairs that occur in a row's history change, so the work is sparse: one
+flat index tensor over all histories, `unique` + `scatter_add_` for the output counts, then a
+gather / update / scatter of just those logits. That is O(total tokens), never O(N x V), and
+has no Python loop per token.
 """
 from __future__ import annotations
 
@@ -10,44 +12,46 @@ from itertools import chain
 import torch
 
 
-def count_tokens(token_ids: list[list[int]], num_prompt_tokens: list[int], vocab_size: int,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, how often each vocabulary id occurs in the prompt and in the output so far.
+def token_occurrences(token_ids: list[list[int]], num_prompt_tokens: list[int], vocab_size: int,
+                      rows: list[int] | None = None, device: torch.device | str = "cpu"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct tokens each history holds, and how often each occurs in its output part.
 
-    Returns `(prompt_counts, output_counts)`, both float32 `[len(token_ids), vocab_size]`.
+    History j belongs to logits row `rows[j]` (default j). Returns `(slots, output_counts)`:
+    int64 flat indices `row * vocab_size + token` into the logits, sorted and distinct, and
+    float32 counts of the occurrences after the row's first `num_prompt_tokens` tokens.
     """
-    num_rows = len(token_ids)
+    rows = list(range(len(token_ids))) if rows is None else rows
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     flat_ids = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
-    row_starts = torch.cumsum(lengths, 0) - lengths
-    position_in_row = torch.arange(flat_ids.numel()) - row_starts[rows]
-    is_output = position_in_row >= torch.tensor(num_prompt_tokens, dtype=torch.int64)[rows]
+    history = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    history_starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(flat_ids.numel()) - history_starts[history]
+    is_output = position >= torch.tensor(num_prompt_tokens, dtype=torch.int64)[history]
 
-    flat_slot = (rows * vocab_size + flat_ids).to(device)
-    is_output = is_output.to(device)
-    ones = torch.ones(flat_slot.numel(), dtype=torch.float32, device=device)
-    output_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-    output_counts.scatter_add_(0, flat_slot, torch.where(is_output, ones, 0.0))
-    prompt_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-    prompt_counts.scatter_add_(0, flat_slot, torch.where(is_output, 0.0, ones))
-    return (prompt_counts.view(num_rows, vocab_size), output_counts.view(num_rows, vocab_size))
+    flat_slots = torch.tensor(rows, dtype=torch.int64)[history] * vocab_size + flat_ids
+    slots, which = torch.unique(flat_slots, return_inverse=True)
+    output_counts = torch.zeros(slots.numel(), dtype=torch.float32)
+    output_counts.scatter_add_(0, which, is_output.to(torch.float32))
+    return slots.to(device), output_counts.to(device)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor,
-                    output_counts: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """Penalise `logits` `[N, V]` in place and return it; per-row penalties are `[N]` tensors.
+def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, output_counts: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """Penalise contiguous `logits` [N, V] in place at `slots` (see `token_occurrences`) and
+    return it; the penalties are per-row [N] tensors.
 
     Repetition (HF/vLLM): every token seen in prompt or output has a positive logit divided by
     the penalty and a negative one multiplied by it. Presence and frequency (OpenAI), on output
     tokens only: `logit -= frequency * count + presence * (count > 0)`. Repetition goes first,
     as in vLLM.
     """
-    seen = (prompt_counts > 0) | (output_counts > 0)
-    rep = repetition.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalised, logits))
-    logits -= frequency.unsqueeze(1) * output_counts
-    logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    flat_logits = logits.view(-1)
+    rows = slots // logits.shape[1]
+    values = flat_logits[slots]
+    rep = repetition[rows]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values -= frequency[rows] * output_counts + presence[rows] * (output_counts > 0).float()
+    flat_logits[slots] = values
     return logits
