@@ -1,0 +1,121 @@
+"""Ingress role: `python -m pipeline.ingress --config-json <json> --rank 0`.
+
+Loads the tokenizer and model limits, serves the app with uvicorn on uvloop, tells the launcher
+it is ready once the port is listening, and on SIGTERM drains: stop accepting connections,
+finish the in-flight streams, close the engine client, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from contextlib import asynccontextmanager
+
+import uvicorn
+import uvloop
+import zmq
+
+from pipeline import ipc, messages
+from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+
+log = setup_logging("ingress")
+
+ENGINE_CONNECT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_READY_TIMEOUT", "600"))
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame) -> None:
+        # uvicorn's own handler re-raises the signal after its graceful shutdown, which would
+        # end the process with -SIGTERM; a requested drain that succeeded is a normal exit.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            if not self.should_exit:
+                log.info("stop requested (%s): draining in-flight requests",
+                         signal.Signals(sig).name)
+            self.should_exit = True
+
+
+def _notify_launcher(control_addr: str, msg) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = ipc.make_socket(ctx, zmq.PUSH, control_addr, bind=False)
+        sock.setsockopt(zmq.LINGER, 2000)  # deliver before the socket goes away
+        ipc.send(sock, msg)
+        sock.close()
+    finally:
+        ctx.term()
+
+
+def build_server(cfg) -> _Server:
+    from pipeline.client import AsyncEngineClient
+    from pipeline.ingress.app import build_app
+    from pipeline.ingress.context import IngressContext
+    from workers.loader import load_config as load_model_config
+    from workers.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.model)
+    model_config = load_model_config(cfg.model.model)
+    engine = AsyncEngineClient(cfg.ipc.frontend_addr, cfg.ipc.output_addr,
+                               connect_timeout=ENGINE_CONNECT_TIMEOUT_S)
+    ctx = IngressContext.from_config(cfg, engine, tokenizer, model_config)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        await engine.connect()
+        log.info("connected to the engine (%s)", cfg.ipc.frontend_addr)
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = build_app(ctx, lifespan=lifespan)
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, loop="uvloop",
+                            access_log=False, log_level="warning", lifespan="on",
+                            timeout_keep_alive=30)
+    return _Server(config)
+
+
+async def serve(server: _Server, on_listening) -> None:
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # start-up failed: re-raise (uvicorn exits on a bound port, for one)
+            raise RuntimeError("the HTTP server stopped during start-up")
+        await asyncio.sleep(0.05)
+    on_listening()
+    await task
+
+
+def main() -> int:
+    ns = role_arg_parser("pagedserve HTTP ingress").parse_args()
+    cfg = load_config(ns)
+    die_with_parent()
+    try:
+        server = build_server(cfg)
+    except Exception as exc:
+        log.error("cannot start: %s", exc)
+        _notify_launcher(cfg.ipc.control_addr,
+                         messages.ProcessFatal("ingress", ns.rank, os.getpid(), str(exc)))
+        return 1
+
+    def on_listening() -> None:
+        log.info("ready: listening on http://%s:%d (model %s)", cfg.server.host, cfg.server.port,
+                 server.config.app.state.ctx.model_name)
+        _notify_launcher(cfg.ipc.control_addr, messages.ProcessReady(
+            "ingress", ns.rank, os.getpid(), f"http://{cfg.server.host}:{cfg.server.port}"))
+
+    try:
+        uvloop.run(serve(server, on_listening))
+    except SystemExit as exc:  # uvicorn's start-up failure (port in use, engine unreachable)
+        log.error("stopped during start-up (code %s)", exc.code)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    log.info("stop")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

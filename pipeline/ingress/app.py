@@ -1,0 +1,107 @@
+"""The FastAPI application: routes, API-key check, and OpenAI-shaped errors for everything."""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from pipeline.ingress.chat import create_chat_completion
+from pipeline.ingress.completions import create_completion
+from pipeline.ingress.context import IngressContext
+from pipeline.ingress.errors import APIError, error_body
+
+log = logging.getLogger("pagedserve.ingress")
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("pagedserve")
+    except Exception:  # running from a source tree that was never installed
+        return "0.1.0"
+
+
+def build_app(ctx: IngressContext,
+              lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    _install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                    ctx.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
+             "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
+            for name in ctx.served_model_names]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await ctx.engine.health():
+            return Response(status_code=200)
+        return JSONResponse(error_body("the engine is not healthy", type="server_error",
+                                       code="engine_unavailable"), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await ctx.refresh_stats()
+        return Response(ctx.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}",
+                                       type="server_error"), status_code=500)

@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages through the model's chat template, `n` samples."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.ingress.context import IngressContext, Ticket
+from pipeline.ingress.errors import invalid
+from pipeline.ingress.generation import (EngineRequest, first_item, new_request_id, prepend,
+                                         stream_requests, until_disconnect, usage)
+from pipeline.ingress.logprobs import chat_logprobs
+from pipeline.ingress.protocol import ChatCompletionRequest
+from pipeline.ingress.streaming import DONE, EngineStreamResponse, sse, with_error_event
+from pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
+                                         resolve_max_tokens, validated_params)
+from pipeline.outputs import CompletionOutput, RequestOutput
+
+# The template owns these arguments; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt",
+                           "continue_final_message", "return_dict", "return_tensors"}
+
+
+def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid("this model has no chat template; use /v1/completions", "messages")
+    extra = dict(req.chat_template_kwargs or {})
+    clash = _RESERVED_TEMPLATE_ARGS & extra.keys()
+    if clash:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
+                      "chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.to_template() for m in req.messages], tokenize=False,
+            add_generation_prompt=bool(req.add_generation_prompt),
+            continue_final_message=bool(req.continue_final_message), **extra)
+    except Exception as exc:  # jinja errors raised by the template itself ("roles must alternate")
+        raise invalid(f"the chat template cannot render these messages: {exc}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(ctx: IngressContext, request: Request) -> Response:
+    arrival = ctx.clock()
+    req = parse_request(ChatCompletionRequest,
+                        await read_json_object(request, ctx.max_request_bytes))
+    check_model_name(req.model, ctx.served_model_names)
+    req.check()
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.requested_max_tokens
+    params = validated_params(
+        lambda: req.sampling_params(max_tokens=requested, logprobs=req.num_logprobs),
+        vocab_size=ctx.vocab_size, max_n=ctx.max_n,
+        param_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
+    ticket = ctx.admit(1)  # before rendering and tokenizing
+    try:
+        ids = render_chat(ctx.tokenizer, req)
+        max_tokens = resolve_max_tokens(len(ids), requested, default=None,
+                                        max_model_len=ctx.max_model_len, prompt_param="messages",
+                                        max_tokens_param=max_tokens_param)
+        params = validated_params(lambda: msgspec.structs.replace(params, max_tokens=max_tokens),
+                                  vocab_size=ctx.vocab_size, max_n=ctx.max_n,
+                                  param_names={"max_tokens": max_tokens_param})
+    except BaseException:
+        ticket.release()
+        raise
+    engine_request = EngineRequest(new_request_id("chatcmpl"), ids, params)
+    view = _ChatView(ctx, req, engine_request)
+    stream = stream_requests(ctx, [engine_request], arrival=arrival, priority=req.priority or 0,
+                             cache_salt=req.cache_salt)
+    if req.stream:
+        first = await until_disconnect(request, first_item(stream, ticket))
+        if first is None:
+            return Response(status_code=499)  # gone before the first token; aborted
+        body = view.sse(first, stream)
+        wrapped = with_error_event(body)
+
+        async def on_close() -> None:
+            await wrapped.aclose()
+            await body.aclose()
+            await stream.aclose()
+            ticket.release()
+
+        return EngineStreamResponse(wrapped, on_close)
+    try:
+        output = await until_disconnect(request, view.collect(stream))
+    finally:
+        ticket.release()
+        await stream.aclose()
+    if output is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(view.response(output))
+
+
+class _ChatView:
+    """Shapes engine deltas into OpenAI chat completion responses and chunks."""
+
+    def __init__(self, ctx: IngressContext, req: ChatCompletionRequest, engine_request: EngineRequest):
+        self.ctx = ctx
+        self.req = req
+        self.engine_request = engine_request
+        self.n = engine_request.params.n
+        self.num_top = req.num_logprobs or 0
+        self.created = int(time.time())
+
+    def _logprobs(self, token_ids, logprobs, top_logprobs) -> dict[str, Any] | None:
+        if self.req.num_logprobs is None:
+            return None
+        return chat_logprobs(self.ctx.token_text, token_ids, logprobs, top_logprobs, self.num_top)
+
+    async def collect(self, stream: AsyncIterator) -> RequestOutput:
+        r = self.engine_request
+        out = RequestOutput(r.request_id, None, r.prompt_token_ids,
+                            [CompletionOutput(index=i) for i in range(self.n)])
+        async for _, delta in stream:
+            out.apply(delta)
+        return out
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [{"index": s.index,
+                    "message": {"role": "assistant", "content": s.text},
+                    "logprobs": self._logprobs(s.token_ids, s.logprobs, s.top_logprobs),
+                    "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                   for s in out.outputs]
+        return {"id": out.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices,
+                "usage": usage(len(out.prompt_token_ids),
+                               sum(len(s.token_ids) for s in out.outputs))}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.engine_request.request_id, "object": "chat.completion.chunk",
+                 "created": self.created, "model": self.ctx.model_name, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def sse(self, first: tuple[int, Any], stream: AsyncIterator) -> AsyncIterator[bytes]:
+        for i in range(self.n):
+            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]))
+        num_generated = 0
+        async for _, delta in prepend(first, stream):
+            if not (delta.text or delta.token_ids or delta.finish_reason):
+                continue
+            num_generated += len(delta.token_ids)
+            choice = {"index": delta.index,
+                      "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs,
+                                                 delta.top_logprobs),
+                      "finish_reason": delta.finish_reason}
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            yield sse(self._chunk([choice]))
+        if self.req.include_usage:
+            final = self._chunk([])
+            final["usage"] = usage(len(self.engine_request.prompt_token_ids), num_generated)
+            yield sse(final)
+        yield DONE

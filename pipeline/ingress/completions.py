@@ -1,0 +1,162 @@
+"""POST /v1/completions: text or token-id prompt(s), `n` samples each, optional echo."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.ingress.context import IngressContext, Ticket
+from pipeline.ingress.generation import (EngineRequest, first_item, new_request_id, prepend,
+                                         stream_requests, until_disconnect, usage)
+from pipeline.ingress.logprobs import CompletionLogprobs
+from pipeline.ingress.protocol import CompletionRequest
+from pipeline.ingress.streaming import DONE, EngineStreamResponse, sse, with_error_event
+from pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
+                                         check_token_ids, parse_request, read_json_object,
+                                         resolve_max_tokens, validated_params)
+from pipeline.outputs import CompletionOutput, RequestOutput
+
+
+async def create_completion(ctx: IngressContext, request: Request) -> Response:
+    arrival = ctx.clock()
+    req = parse_request(CompletionRequest, await read_json_object(request, ctx.max_request_bytes))
+    check_model_name(req.model, ctx.served_model_names)
+    req.check()
+    prompts = req.prompts()
+    requested = req.max_tokens
+    params = validated_params(
+        lambda: req.sampling_params(max_tokens=requested if requested is not None
+                                    else DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs),
+        vocab_size=ctx.vocab_size, max_n=ctx.max_n)
+    ticket = ctx.admit(len(prompts))  # before any tokenization
+    try:
+        request_id = new_request_id("cmpl")
+        engine_requests, prompt_texts = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                ids = ctx.tokenizer.encode(prompt)
+                prompt_texts.append(prompt)
+            else:
+                check_token_ids(prompt, ctx.vocab_size, "prompt")
+                ids = list(prompt)
+                prompt_texts.append(ctx.tokenizer.decode(ids) if req.echo else "")
+            max_tokens = resolve_max_tokens(
+                len(ids), requested, default=DEFAULT_COMPLETION_MAX_TOKENS,
+                max_model_len=ctx.max_model_len, prompt_param="prompt",
+                max_tokens_param="max_tokens")
+            engine_requests.append(EngineRequest(
+                f"{request_id}-{i}" if len(prompts) > 1 else request_id, ids,
+                validated_params(lambda: msgspec.structs.replace(params, max_tokens=max_tokens),
+                                 vocab_size=ctx.vocab_size, max_n=ctx.max_n)))
+    except BaseException:
+        ticket.release()
+        raise
+    view = _CompletionView(ctx, req, request_id, engine_requests,
+                           prompt_texts if req.echo else [""] * len(prompts))
+    stream = stream_requests(ctx, engine_requests, arrival=arrival, priority=req.priority or 0,
+                             cache_salt=req.cache_salt)
+    if req.stream:
+        return await _streaming(request, view, stream, ticket)
+    try:
+        outputs = await until_disconnect(request, view.collect(stream))
+    finally:
+        ticket.release()
+        await stream.aclose()
+    if outputs is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(view.response(outputs))
+
+
+async def _streaming(request: Request, view: "_CompletionView", stream: AsyncIterator,
+                     ticket: Ticket) -> Response:
+    first = await until_disconnect(request, first_item(stream, ticket))
+    if first is None:
+        return Response(status_code=499)  # gone before the first token; aborted
+    body = view.sse(first, stream)
+    wrapped = with_error_event(body)
+
+    async def on_close() -> None:
+        await wrapped.aclose()
+        await body.aclose()
+        await stream.aclose()
+        ticket.release()
+
+    return EngineStreamResponse(wrapped, on_close)
+
+
+class _CompletionView:
+    """Shapes engine deltas into OpenAI completion responses and chunks."""
+
+    def __init__(self, ctx: IngressContext, req: CompletionRequest, request_id: str,
+                 engine_requests: list[EngineRequest], echo_texts: list[str]):
+        self.ctx = ctx
+        self.req = req
+        self.request_id = request_id
+        self.engine_requests = engine_requests
+        self.echo_texts = echo_texts
+        self.n = engine_requests[0].params.n
+        self.created = int(time.time())
+        self.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in engine_requests)
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices}
+
+    async def collect(self, stream: AsyncIterator) -> list[RequestOutput]:
+        outputs = [RequestOutput(r.request_id, None, r.prompt_token_ids,
+                                 [CompletionOutput(index=i) for i in range(self.n)])
+                   for r in self.engine_requests]
+        async for pos, delta in stream:
+            outputs[pos].apply(delta)
+        return outputs
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices, num_generated = [], 0
+        for pos, out in enumerate(outputs):
+            for sample in out.outputs:
+                num_generated += len(sample.token_ids)
+                logprobs = None
+                if self.req.logprobs is not None:
+                    logprobs = CompletionLogprobs(self.ctx.token_text).chunk(
+                        sample.token_ids, sample.logprobs, sample.top_logprobs)
+                choices.append({"index": pos * self.n + sample.index,
+                                "text": self.echo_texts[pos] + sample.text,
+                                "logprobs": logprobs, "finish_reason": sample.finish_reason,
+                                "stop_reason": sample.stop_reason})
+        body = self._envelope(choices)
+        body["usage"] = usage(self.num_prompt_tokens, num_generated)
+        return body
+
+    async def sse(self, first: tuple[int, Any], stream: AsyncIterator) -> AsyncIterator[bytes]:
+        include_usage = self.req.include_usage
+        echo_pending = {pos * self.n + i for pos, text in enumerate(self.echo_texts) if text
+                        for i in range(self.n)}
+        logprobs: dict[int, CompletionLogprobs] = {}
+        num_generated = 0
+        async for pos, delta in prepend(first, stream):
+            if not (delta.text or delta.token_ids or delta.finish_reason):
+                continue
+            index = pos * self.n + delta.index
+            num_generated += len(delta.token_ids)
+            text = delta.text
+            if index in echo_pending:
+                echo_pending.discard(index)
+                text = self.echo_texts[pos] + text
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            if self.req.logprobs is not None:
+                lp = logprobs.setdefault(index, CompletionLogprobs(self.ctx.token_text))
+                choice["logprobs"] = lp.chunk(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            chunk = self._envelope([choice])
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        if include_usage:
+            final = self._envelope([])
+            final["usage"] = usage(self.num_prompt_tokens, num_generated)
+            yield sse(final)
+        yield DONE

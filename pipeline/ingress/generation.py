@@ -1,0 +1,143 @@
+"""Running engine requests for one HTTP request: submit, merge their streams, time them,
+map engine errors, and abort everything when the client goes away.
+
+Aborting is the engine client's job: leaving `AsyncEngineClient.generate` early (close or
+cancellation) sends Abort. So every exit path here closes or cancels its generators.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pipeline.ingress.context import IngressContext, Ticket
+from pipeline.ingress.errors import APIError, from_engine_error
+from pipeline.outputs import RequestError
+from pipeline.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _timed(ctx: IngressContext, req: EngineRequest, arrival: float, priority: int,
+                 cache_salt: str | None) -> AsyncIterator[Any]:
+    timer = ctx.metrics.timer(arrival)
+    stream = ctx.engine.generate(req.prompt_token_ids, req.params, request_id=req.request_id,
+                                 priority=priority, cache_salt=cache_salt)
+    timer.submitted(ctx.clock())
+    accepted = False
+    try:
+        async for delta in stream:
+            accepted = True
+            timer.on_delta(delta, ctx.clock())
+            yield delta
+        timer.finished(ctx.clock())
+    except RequestError as exc:
+        if exc.status == 503 and not accepted:  # refused at the door: the queue is full
+            ctx.admission.observe_rejection(ctx.clock())
+        raise from_engine_error(exc.status, exc.message) from None
+    except (ConnectionError, RuntimeError) as exc:
+        raise APIError(503, f"the engine is unavailable: {exc}", type="server_error",
+                       code="engine_unavailable") from None
+    finally:
+        await stream.aclose()
+
+
+async def stream_requests(ctx: IngressContext, requests: list[EngineRequest], *, arrival: float,
+                          priority: int = 0, cache_salt: str | None = None
+                          ) -> AsyncIterator[tuple[int, Any]]:
+    """(request position, TextDelta) in arrival order across all `requests` until all finish."""
+    streams = [_timed(ctx, r, arrival, priority, cache_salt) for r in requests]
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(pos: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((pos, delta, None))
+            queue.put_nowait((pos, None, None))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait((pos, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            pos, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if delta is None:
+                open_streams -= 1
+            else:
+                yield pos, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (aborting its engine requests)
+    and return None. Only for a request whose body has been read."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Also reached when this handler itself is cancelled (the server shutting down).
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        await asyncio.gather(watch_task, work_task, return_exceptions=True)
+    if work_task.cancelled():
+        return None
+    return work_task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def first_item(stream: AsyncIterator[T], ticket: Ticket) -> T:
+    """Wait for a stream's first item before sending headers, so that a refusal from the engine
+    (400, 503 + Retry-After) is still an HTTP status and not an error inside a 200 stream."""
+    try:
+        return await stream.__anext__()
+    except BaseException:
+        ticket.release()
+        await stream.aclose()
+        raise
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
