@@ -5,11 +5,16 @@ value), so any msgpack implementation can read and write them. Never pickle.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pipeline.sampling_params import SamplingParams
 
-__all__ = ["NewSeq", "ScheduledSeq", "Fork", "StepPlan", "StepResult"]
+__all__ = ["NewSeq", "ScheduledSeq", "Fork", "StepPlan", "StepResult", "AddRequest", "Abort",
+           "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
+           "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
+           "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,3 +72,146 @@ class StepResult(msgspec.Struct, gc=False):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Client <-> scheduler (the scheduler's ROUTER; clients are DEALERs with their own identity)
+# ---------------------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    # Resubmission after a scheduler restart: tokens the client already has, per sample index,
+    # and the text length it has already shown for each.
+    output_token_ids: list[list[int]] = []
+    text_offsets: list[int] = []
+
+
+class Abort(msgspec.Struct):
+    request_ids: list[str]
+
+
+class RequestRejected(msgspec.Struct):
+    """The scheduler refused a request: status 400 (can never run) or 503 (overloaded/draining)."""
+    request_id: str
+    status: int
+    message: str
+
+
+class UtilityCall(msgspec.Struct):
+    call_id: int
+    method: str  # "stats" | "health"
+
+
+class UtilityReply(msgspec.Struct):
+    call_id: int
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> detokenizer -> client
+# ---------------------------------------------------------------------------------------------
+class DetokOpen(msgspec.Struct, kw_only=True):
+    """A request the scheduler accepted: the detokenizer prepares its per-sample state."""
+    request_id: str
+    client_id: bytes
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    text_offsets: list[int] = []
+
+
+class SampleTokens(msgspec.Struct, kw_only=True):
+    """New tokens of one sample (index < n) of one request."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TokenBatch(msgspec.Struct):
+    step_id: int
+    samples: list[SampleTokens]
+
+
+class TextDelta(msgspec.Struct, kw_only=True):
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, this sample
+    num_cached_tokens: int = 0
+
+
+class DeltaBatch(msgspec.Struct):
+    deltas: list[TextDelta]
+
+
+class RequestFailed(msgspec.Struct):
+    """Sent to a client when its request cannot complete (a process died, shutdown)."""
+    request_id: str
+    status: int
+    message: str
+
+
+class StopMatched(msgspec.Struct):
+    """The detokenizer found a stop string: the scheduler finishes that sample."""
+    request_id: str
+    index: int
+    stop: str
+
+
+class Hello(msgspec.Struct):
+    """A client announces itself to the detokenizer's ROUTER before submitting anything."""
+    client_id: bytes
+
+
+class HelloAck(msgspec.Struct):
+    client_id: bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifecycle (any role -> launcher; scheduler -> workers/detokenizer)
+# ---------------------------------------------------------------------------------------------
+class ProcessReady(msgspec.Struct):
+    role: str
+    rank: int
+    pid: int
+    detail: str = ""
+
+
+class ProcessFatal(msgspec.Struct):
+    role: str
+    rank: int
+    pid: int
+    message: str
+
+
+class WorkerReady(msgspec.Struct):
+    rank: int
+    pid: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+class WorkerFailed(msgspec.Struct):
+    rank: int
+    step_id: int
+    message: str
+
+
+class Shutdown(msgspec.Struct):
+    reason: str = ""

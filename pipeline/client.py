@@ -1,0 +1,286 @@
+"""ZeroMQ client library: submit, stream, abort and call utilities on a running group.
+
+`AsyncEngineClient` is the implementation (zmq.asyncio); `EngineClient` is the same client run
+on a private event-loop thread for synchronous code. Any number of clients, in any processes,
+can talk to one group: each has its own identity on the scheduler's and detokenizer's ROUTERs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline import ipc, messages
+from pipeline.outputs import RequestError, RequestOutput, CompletionOutput
+from pipeline.sampling_params import SamplingParams
+
+_DONE = object()
+
+
+class AsyncEngineClient:
+    def __init__(self, frontend_addr: str, output_addr: str, *, tokenizer=None,
+                 client_id: bytes | None = None, connect_timeout: float = 30.0):
+        self.frontend_addr = frontend_addr
+        self.output_addr = output_addr
+        self.tokenizer = tokenizer
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}".encode()
+        self.connect_timeout = connect_timeout
+        self._ctx = zmq.asyncio.Context()
+        self._frontend: zmq.asyncio.Socket | None = None
+        self._output: zmq.asyncio.Socket | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    # -- connection --------------------------------------------------------------------------
+    async def connect(self) -> "AsyncEngineClient":
+        self._frontend = ipc.make_socket(self._ctx, zmq.DEALER, self.frontend_addr, bind=False,
+                                         identity=self.client_id)
+        self._output = ipc.make_socket(self._ctx, zmq.DEALER, self.output_addr, bind=False,
+                                       identity=self.client_id)
+        # Until the detokenizer has seen us, its ROUTER cannot route our outputs: say hello and
+        # wait for the answer before submitting anything.
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            ipc.send(self._output, messages.Hello(self.client_id))
+            if await self._output.poll(250):
+                msg = ipc.decode(await self._output.recv_multipart())
+                if isinstance(msg, messages.HelloAck):
+                    break
+            if time.monotonic() > deadline:
+                self._close_sockets()
+                raise ConnectionError(f"no engine answered at {self.output_addr} within "
+                                      f"{self.connect_timeout:.0f}s")
+        self._reader = asyncio.ensure_future(self._read_loop())
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        err = RequestError(503, "client closed")
+        for q in self._streams.values():
+            q.put_nowait(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._frontend, self._output):
+            if sock is not None:
+                sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- reading -------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._frontend, zmq.POLLIN)
+        poller.register(self._output, zmq.POLLIN)
+        while True:
+            for sock, _ in await poller.poll():
+                while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    self._dispatch(ipc.decode(await sock.recv_multipart()))
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, messages.DeltaBatch):
+            for delta in msg.deltas:
+                q = self._streams.get(delta.request_id)
+                if q is not None:
+                    q.put_nowait(delta)
+        elif isinstance(msg, (messages.RequestRejected, messages.RequestFailed)):
+            q = self._streams.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(RequestError(msg.status, msg.message, msg.request_id))
+        elif isinstance(msg, messages.UtilityReply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    fut.set_exception(RuntimeError(msg.error))
+                else:
+                    fut.set_result(msg.result)
+
+    # -- requests --------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to the client "
+                                 "or submit token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[messages.TextDelta]:
+        """Stream TextDeltas of every sample until all n samples finish.
+
+        Raises RequestError when the engine refuses or loses the request. Leaving the loop early
+        (break, cancellation) aborts the request in the engine.
+        """
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight on this client")
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        remaining = params.n
+        try:
+            ipc.send(self._frontend, messages.AddRequest(
+                request_id=request_id, prompt_token_ids=ids, sampling=params,
+                arrival_time=time.time(), priority=priority, cache_salt=cache_salt))
+            while remaining:
+                item = await q.get()
+                if isinstance(item, RequestError):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining and not self._closed:
+                ipc.send(self._frontend, messages.Abort([request_id]))
+
+    async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       **kwargs: Any) -> RequestOutput:
+        """Run one request to the end and return its accumulated output."""
+        params = params or SamplingParams()
+        out = RequestOutput(request_id=kwargs.get("request_id") or uuid.uuid4().hex,
+                            prompt=prompt if isinstance(prompt, str) else None,
+                            prompt_token_ids=self._prompt_ids(prompt),
+                            outputs=[CompletionOutput(index=i) for i in range(params.n)])
+        kwargs["request_id"] = out.request_id
+        async for delta in self.generate(out.prompt_token_ids, params, **kwargs):
+            out.apply(delta)
+        return out
+
+    async def abort(self, *request_ids: str) -> None:
+        ipc.send(self._frontend, messages.Abort(list(request_ids)))
+
+    async def call(self, method: str, timeout: float = 10.0) -> dict:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        ipc.send(self._frontend, messages.UtilityCall(call_id, method))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def stats(self) -> dict:
+        return await self.call("stats")
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            result = await self.call("health", timeout)
+        except (asyncio.TimeoutError, RuntimeError, RequestError):
+            return False
+        return bool(result.get("ok"))
+
+
+class EngineClient:
+    """Synchronous facade: the async client on a private event-loop thread."""
+
+    def __init__(self, frontend_addr: str, output_addr: str, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pagedserve-client",
+                                        daemon=True)
+        self._thread.start()
+        self._async = AsyncEngineClient(frontend_addr, output_addr, **kwargs)
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def tokenizer(self):
+        return self._async.tokenizer
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 **kwargs: Any) -> Iterator[messages.TextDelta]:
+        """Stream TextDeltas; closing the iterator early aborts the request."""
+        q: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for delta in self._async.generate(prompt, params, **kwargs):
+                    q.put(delta)
+                q.put(_DONE)
+            except BaseException as exc:  # delivered to the caller's thread
+                q.put(exc)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item = q.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def complete(self, prompt, params=None, **kwargs: Any) -> RequestOutput:
+        return self._run(self._async.complete(prompt, params, **kwargs))
+
+    def submit(self, prompt, params=None, **kwargs: Any):
+        """Start a request without waiting; returns a concurrent.futures.Future[RequestOutput]."""
+        return asyncio.run_coroutine_threadsafe(self._async.complete(prompt, params, **kwargs),
+                                                self._loop)
+
+    def abort(self, *request_ids: str) -> None:
+        self._run(self._async.abort(*request_ids))
+
+    def stats(self) -> dict:
+        return self._run(self._async.stats())
+
+    def health(self, timeout: float = 5.0) -> bool:
+        return self._run(self._async.health(timeout))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._run(self._async.close(), timeout=10)
+            finally:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

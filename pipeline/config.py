@@ -1,0 +1,204 @@
+"""Engine configuration: one dataclass per concern, parsed from the CLI once at start-up.
+
+The launcher parses the command line into an `EngineConfig`, serializes it as JSON and hands it
+to every child process (`--config-json`), so all roles agree on one configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5G', '1073741824' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    model: str = "SmolLM2-135M-Instruct"
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 (CPU and CUDA); float32 for exact reference checks
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+
+@dataclass(slots=True)
+class CacheArgs:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes per worker rank; None -> device default
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0  # GiB of host swap pool
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclass(slots=True)
+class ParallelArgs:
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto: cuda when available, else cpu
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(slots=True)
+class SchedulingArgs:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 4096
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("swap", "recompute", "auto"):
+            raise ValueError(f"--preemption-mode must be swap, recompute or auto, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+
+@dataclass(slots=True)
+class ServerArgs:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    http: bool = True  # start the HTTP ingress
+    max_request_bytes: int = 1 << 20
+
+
+@dataclass(slots=True)
+class IpcArgs:
+    """Socket addresses; ipc:// under `ipc_dir` on one host, tcp:// across hosts."""
+
+    ipc_dir: str = ""
+    frontend_addr: str = ""   # scheduler ROUTER: AddRequest / Abort / utility calls
+    output_addr: str = ""     # detokenizer ROUTER: TextDelta to the owning client
+    plan_addr: str = ""       # scheduler PUB -> workers SUB: StepPlan
+    events_addr: str = ""     # scheduler PULL <- worker results, readiness, StopMatched
+    detok_addr: str = ""      # detokenizer PULL <- scheduler TokenBatch
+    control_addr: str = ""    # launcher PULL <- every child's Ready / Fatal
+    dist_init_addr: str = ""  # torch.distributed rendezvous (tcp://host:port)
+
+    def fill_defaults(self) -> None:
+        if not self.ipc_dir:
+            self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        for name in ("frontend", "output", "plan", "events", "detok", "control"):
+            attr = f"{name}_addr"
+            if not getattr(self, attr):
+                setattr(self, attr, f"ipc://{os.path.join(self.ipc_dir, name)}.sock")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    cache: CacheArgs = field(default_factory=CacheArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    scheduling: SchedulingArgs = field(default_factory=SchedulingArgs)
+    server: ServerArgs = field(default_factory=ServerArgs)
+    ipc: IpcArgs = field(default_factory=IpcArgs)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineConfig":
+        raw = json.loads(text)
+        return cls(**{f.name: _SECTIONS[f.name](**raw[f.name]) for f in fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Flat vLLM-style keyword arguments (max_num_seqs=..., block_size=...) -> config."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            owner = _FIELD_OWNER.get(key)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            sections[owner][key] = value
+        if "kv_cache_memory" in sections["cache"] and sections["cache"]["kv_cache_memory"] is not None:
+            sections["cache"]["kv_cache_memory"] = parse_bytes(sections["cache"]["kv_cache_memory"])
+        return cls(**{name: _SECTIONS[name](**vals) for name, vals in sections.items()})
+
+
+_SECTIONS = {"model": ModelArgs, "cache": CacheArgs, "parallel": ParallelArgs,
+             "scheduling": SchedulingArgs, "server": ServerArgs, "ipc": IpcArgs}
+_FIELD_OWNER = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                        default=default, help=help)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving")
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model.model,
+                   help="HF directory, .gguf file, or the built-in SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=d.model.dtype)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=d.cache.block_size)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache bytes per worker rank (e.g. 2GiB); default: 2GiB on CPU, "
+                        "--gpu-memory-utilization on CUDA")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.cache.gpu_memory_utilization)
+    p.add_argument("--swap-space", type=float, default=d.cache.swap_space, help="GiB of host swap pool")
+    _bool_flag(p, "enable-prefix-caching", d.cache.enable_prefix_caching, "share cached prompt prefixes")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-num-seqs", type=int, default=d.scheduling.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.scheduling.max_num_batched_tokens)
+    p.add_argument("--max-queued-requests", type=int, default=d.scheduling.max_queued_requests)
+    _bool_flag(p, "enable-chunked-prefill", True, "split long prompts into chunks")
+    p.add_argument("--preemption-mode", default="auto", choices=["swap", "recompute", "auto"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--host", default=d.server.host)
+    p.add_argument("--port", type=int, default=d.server.port)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    _bool_flag(p, "http", True, "start the OpenAI-compatible HTTP ingress")
+    p.add_argument("--ipc-dir", default="", help="folder for ipc:// sockets (default: a temp dir)")
+    for name in ("frontend", "output", "plan", "events", "detok", "control"):
+        p.add_argument(f"--{name}-addr", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    kwargs = {k: v for k, v in vars(ns).items() if k in _FIELD_OWNER}
+    cfg = EngineConfig.from_kwargs(**kwargs)
+    cfg.ipc.fill_defaults()
+    return cfg

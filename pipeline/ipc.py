@@ -1,0 +1,80 @@
+"""ZeroMQ framing: every message is [type tag, msgpack payload] (after any ROUTER identity).
+
+The tag is the message class name from `pipeline.messages`; the payload is standard msgpack
+(msgspec's encoder), so any language's msgpack library can read the wire. Never pickle.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+import zmq
+
+from pipeline import messages
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[bytes, msgspec.msgpack.Decoder] = {
+    name.encode(): msgspec.msgpack.Decoder(cls)
+    for name, cls in vars(messages).items()
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__
+}
+
+
+class WireError(ValueError):
+    """A frame that is not one of our messages."""
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    return [type(msg).__name__.encode(), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Any:
+    if len(frames) != 2:
+        raise WireError(f"expected 2 frames [tag, payload], got {len(frames)}")
+    decoder = _DECODERS.get(bytes(frames[0]))
+    if decoder is None:
+        raise WireError(f"unknown message tag {bytes(frames[0])[:40]!r}")
+    try:
+        return decoder.decode(frames[1])
+    except msgspec.DecodeError as exc:
+        raise WireError(f"bad {bytes(frames[0]).decode(errors='replace')} payload: {exc}") from exc
+
+
+def send(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes | None = None, flags: int = 0) -> None:
+    frames = encode(msg)
+    if identity is not None:
+        frames.insert(0, identity)
+    sock.send_multipart(frames, flags=flags, copy=False)
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> Any:
+    return decode(sock.recv_multipart(flags=flags))
+
+
+def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Any]:
+    frames = sock.recv_multipart(flags=flags)
+    return frames[0], decode(frames[1:])
+
+
+def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
+                identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        # Sending to a peer that is gone raises instead of silently dropping: that is how a
+        # process learns that a client disconnected.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    for opt in (zmq.SNDHWM, zmq.RCVHWM):
+        sock.setsockopt(opt, 0)  # never drop a message of ours because a queue is "full"
+    if bind:
+        if addr.startswith("ipc://"):
+            path = addr[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock

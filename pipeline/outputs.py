@@ -1,0 +1,56 @@
+"""What the client library and the offline API hand back to users."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(Exception):
+    """A request the engine refused or could not finish; `status` follows HTTP (400, 503, ...)."""
+
+    def __init__(self, status: int, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    def apply(self, delta) -> None:
+        """Fold one TextDelta into the accumulated output."""
+        out = self.outputs[delta.index]
+        out.text += delta.text
+        out.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + list(delta.logprobs)
+        if delta.top_logprobs is not None:
+            out.top_logprobs = (out.top_logprobs or []) + [list(x) for x in delta.top_logprobs]
+        if delta.finish_reason is not None:
+            out.finish_reason = delta.finish_reason
+            out.stop_reason = delta.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

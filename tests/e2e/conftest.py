@@ -1,0 +1,43 @@
+"""Fixtures for multi-process tests: real process groups on the default model."""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def our_processes() -> list[psutil.Process]:
+    """Every live process running one of our role modules."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "-m pipeline." in cmd or "-m workers." in cmd:
+            if p.pid != os.getpid():
+                found.append(p)
+    return found
+
+
+def shm_segments(prefix: str = "pagedserve-") -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def llm_bf16(model_dir):
+    """One TP=1 bf16 group shared by the tests of a module."""
+    from pipeline import LLM
+    llm = LLM(model=str(model_dir), max_num_seqs=256, kv_cache_memory="512MiB", swap_space=0.25)
+    yield llm
+    llm.close()

@@ -1,0 +1,144 @@
+"""The offline API against real process groups (scheduler, workers, detokenizer)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import psutil
+import pytest
+
+from pipeline import LLM, SamplingParams
+from tests.e2e.conftest import our_processes, shm_segments
+from workers.testing import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "A haiku about the sea:",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Question: What is 12 times 12?\nAnswer:",
+]
+
+
+def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    expected = hf_greedy(model_dir, ids, max_new_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(model=str(model_dir), tensor_parallel_size=2, dtype="float32",
+             kv_cache_memory="256MiB") as llm:
+        launcher = psutil.Process(llm._group.proc.pid)
+        roles = [" ".join(c.cmdline()) for c in launcher.children()]
+        # scheduler, 2 workers, detokenizer (+ this test process as the client)
+        assert sum("workers.worker_process" in r for r in roles) == 2
+        assert sum("pipeline.scheduler_process" in r for r in roles) == 1
+        assert sum("pipeline.detokenizer_process" in r for r in roles) == 1
+        outs = llm.generate(ids, params)
+    for out, exp, prompt in zip(outs, expected, PROMPTS):
+        assert out.outputs[0].token_ids == exp, prompt
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == tokenizer.decode(exp)
+
+
+def test_generate_returns_outputs_in_input_order_with_text_prompts(llm_bf16):
+    params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in (3, 9, 1, 5)]
+    outs = llm_bf16.generate(PROMPTS[:4], params)
+    assert [o.prompt for o in outs] == PROMPTS[:4]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1, 5]
+
+
+def _client_process(frontend, output, n, offset, queue):
+    from pipeline.client import EngineClient
+    with EngineClient(frontend, output) as client:
+        futs = [client.submit([1 + (i % 50), 2, 3, 4 + i % 7],
+                              SamplingParams(temperature=0.8, seed=i, max_tokens=4 + (i + offset) % 13,
+                                             ignore_eos=True))
+                for i in range(n)]
+        queue.put([len(f.result().outputs[0].token_ids) for f in futs])
+
+
+def test_256_concurrent_requests_from_two_client_processes(llm_bf16):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    g = llm_bf16._group
+    procs = [ctx.Process(target=_client_process, args=(g.frontend_addr, g.output_addr, 128, k * 128, q))
+             for k in range(2)]
+    for p in procs:
+        p.start()
+    lengths = sorted(q.get(timeout=600) + q.get(timeout=600))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    want = sorted(4 + (i + k * 128) % 13 for k in range(2) for i in range(128))
+    assert lengths == want
+    stats = llm_bf16.stats()
+    assert stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_abort_mid_stream_frees_blocks_within_a_step(llm_bf16):
+    client = llm_bf16.client
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    streams = [client.generate([5, 6, 7, 8 + i], params, request_id=f"abort-{i}") for i in range(50)]
+    for s in streams:
+        next(s)  # every request has produced its first token
+    assert llm_bf16.stats()["kv_blocks_used"] > 0
+    for s in streams:
+        s.close()  # closing a stream aborts its request
+    deadline = time.monotonic() + 10
+    while llm_bf16.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm_bf16.stats()["kv_blocks_used"] == 0
+
+
+def test_stop_strings_end_and_are_trimmed(llm_bf16, tokenizer):
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm_bf16.generate([PROMPTS[2]], base)[0].outputs[0]
+    ids = full.token_ids
+    # a stop string spanning the boundary between two generated tokens
+    a, b = tokenizer.decode(ids[:5]), tokenizer.decode(ids[:7])
+    stop = b[len(a) - 2:]
+    assert len(stop) >= 3
+    text_before = full.text[: full.text.index(stop)]
+    out = llm_bf16.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                         ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == text_before
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_emoji_and_cjk_streams_equal_full_decode(llm_bf16, tokenizer):
+    prompts = ["用中文写一首关于大海的诗：", "Reply with only emoji: 🎉🚀🔥", "日本語で自己紹介してください。"]
+    outs = llm_bf16.generate(prompts, SamplingParams(temperature=0.7, seed=3, max_tokens=48,
+                                                     ignore_eos=True))
+    for o in outs:
+        assert o.outputs[0].text == tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_idle_group_uses_almost_no_cpu(llm_bf16):
+    launcher = psutil.Process(llm_bf16._group.proc.pid)
+    procs = [launcher] + launcher.children(recursive=True)
+    time.sleep(1.0)
+    before = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    time.sleep(5.0)
+    after = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    assert (after - before) / 5.0 < 0.02
+
+
+def test_sigterm_drains_in_flight_requests_and_leaves_nothing(model_dir):
+    import signal
+    llm = LLM(model=str(model_dir), kv_cache_memory="128MiB", swap_space=0.1)
+    ipc_dir = llm._group.ipc_dir
+    futs = [llm.client.submit([1, 2, 3, i], SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(8)]
+    time.sleep(0.5)
+    llm._group.proc.send_signal(signal.SIGTERM)
+    outs = [f.result(timeout=120) for f in futs]
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    assert llm._group.proc.wait(60) == 0
+    llm.close()
+    import os
+    assert not os.path.exists(ipc_dir)
+    assert not shm_segments(os.path.basename(ipc_dir))
+    assert not [p for p in our_processes() if ipc_dir in " ".join(p.cmdline())]

@@ -1,0 +1,122 @@
+"""Worker role, one per tensor-parallel rank: `python -m workers.worker_process --rank R ...`.
+
+Thin glue around WorkerCore: connect a DEALER to the scheduler's worker ROUTER, join the
+torch.distributed group, load the model shard and KV cache, report WorkerReady (with the block
+counts this rank can hold), then execute every StepPlan; rank 0 replies with the StepResult.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import zmq
+
+from pipeline import ipc, messages
+from pipeline.config import EngineConfig
+from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+
+DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def pick_device(cfg: EngineConfig, rank: int):
+    import torch
+    want = cfg.parallel.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_core(cfg: EngineConfig, rank: int):
+    """Model shard, KV cache, swap pool and (rank 0) sampler for this rank."""
+    import torch
+    from workers.distributed import init_distributed
+    from workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
+    from workers.loader import load_config as load_model_config
+    from workers.model_runner import ModelRunner
+    from workers.sampler import Sampler
+    from workers.worker_core import WorkerCore
+
+    tp = cfg.parallel.tensor_parallel_size
+    device = pick_device(cfg, rank)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    dtype = getattr(torch, _DTYPES[cfg.model.torch_dtype_name])
+    model_config = load_model_config(cfg.model.model)
+    init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
+    torch.manual_seed(cfg.model.seed)
+    # Weights first, so that on CUDA the budget is a fraction of what they leave free.
+    runner_blocks = None
+    budget = cfg.cache.kv_cache_memory
+    if budget is None and device.type == "cpu":
+        budget = DEFAULT_CPU_KV_BYTES
+    if budget is not None:
+        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, dtype, budget, tp)
+    else:
+        probe = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size, 1,
+                            rank, tp)
+        free = device_budget_bytes(device, memory_utilization=cfg.cache.gpu_memory_utilization)
+        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, dtype, free, tp)
+        del probe
+        torch.cuda.empty_cache()
+    runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
+                         runner_blocks, rank, tp)
+    per_block = block_bytes(model_config, cfg.cache.block_size, dtype, tp)
+    num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
+    core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks)
+    return core, runner_blocks, num_cpu_blocks
+
+
+def main() -> int:
+    ns = role_arg_parser("pagedserve worker").parse_args()
+    cfg = load_config(ns)
+    rank = ns.rank
+    log = setup_logging(f"worker{rank}")
+    die_with_parent()
+    ctx = zmq.Context()
+    sched = ipc.make_socket(ctx, zmq.DEALER, cfg.ipc.plan_addr, bind=False,
+                            identity=f"worker{rank}".encode())
+    control = ipc.make_socket(ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
+    step_id = -1
+    try:
+        core, num_blocks, num_cpu_blocks = build_core(cfg, rank)
+        ipc.send(sched, messages.WorkerReady(rank, os.getpid(), num_blocks, num_cpu_blocks))
+        ipc.send(control, messages.ProcessReady("worker", rank, os.getpid(),
+                                                f"{num_blocks} KV blocks"))
+        log.info("ready: %d device blocks, %d host blocks", num_blocks, num_cpu_blocks)
+        while True:
+            msg = ipc.recv(sched)
+            if isinstance(msg, messages.StepPlan):
+                step_id = msg.step_id
+                result = core.execute(msg)
+                if result is not None:
+                    ipc.send(sched, result)
+            elif isinstance(msg, messages.Shutdown):
+                log.info("stop (%s)", msg.reason or "shutdown")
+                return 0
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.exception("fatal at step %d: %s", step_id, exc)
+        text = f"{type(exc).__name__}: {exc}"
+        for sock, msg in ((sched, messages.WorkerFailed(rank, step_id, text)),
+                          (control, messages.ProcessFatal("worker", rank, os.getpid(), text))):
+            try:
+                ipc.send(sock, msg, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        return 1
+    finally:
+        from workers.distributed import destroy_distributed
+        destroy_distributed()
+        sched.close(linger=500)
+        control.close(linger=500)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
