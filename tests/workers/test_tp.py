@@ -1,0 +1,38 @@
+"""Tensor parallelism: two real rank processes (gloo) give the same greedy tokens as one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.messages import ScheduledSeq
+from test_worker_core import empty_plan, make_core, run_greedy
+from workers.testing import hf_greedy, make_tiny_llama
+from workers.tp_launch import RankSpec, TPWorkers
+
+
+def test_tp2_matches_tp1_on_uneven_head_split(tmp_path):
+    # 6 q / 3 kv heads over 2 ranks: rank 0 holds kv heads 0-1 and q heads 0-3, rank 1 the rest
+    # (the same uneven split SmolLM2's 9 / 3 heads need).
+    model_dir = make_tiny_llama(tmp_path / "tiny", seed=7, hidden_size=96, num_heads=6,
+                                num_kv_heads=3, intermediate_size=160, tie=False)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (9, 26, 40)]
+    tp1 = run_greedy(make_core(model_dir).execute, prompts, 10)
+    with TPWorkers(RankSpec(str(model_dir), num_blocks=64), tp_size=2, timeout_s=120) as workers:
+        tp2 = run_greedy(workers.execute, prompts, 10)
+        assert tp2 == tp1 == hf_greedy(model_dir, prompts, 10)
+        with pytest.raises(RuntimeError, match="(?s)tp rank 0 failed.*scheduled sequence 99 is unknown"):
+            workers.execute(empty_plan(1, scheduled=[ScheduledSeq(99, 1, [], [])]))
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1_on_smollm2():
+    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    model_dir = resolve_model(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
+                                              "Once upon a time, in a small village,")]
+    tp1 = run_greedy(make_core(model_dir, num_blocks=64).execute, prompts, 16)
+    with TPWorkers(RankSpec(str(model_dir), num_blocks=64), tp_size=2, timeout_s=300) as workers:
+        assert run_greedy(workers.execute, prompts, 16) == tp1
