@@ -12,6 +12,7 @@ class FCFSPolicy:
     """Oldest request first; priorities are ignored and nobody is pushed out for a newcomer."""
 
     name = "fcfs"
+    preempts_for_waiting = False  # lets the scheduler skip the check entirely
 
     @staticmethod
     def key(seq: Sequence) -> tuple:
@@ -27,6 +28,7 @@ class PriorityPolicy:
     strictly lower priority (higher value) when blocks are short."""
 
     name = "priority"
+    preempts_for_waiting = True
 
     @staticmethod
     def key(seq: Sequence) -> tuple:

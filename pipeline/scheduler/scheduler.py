@@ -173,7 +173,7 @@ class Scheduler:
                                f"{self._inflight.step_id}")
         b = _PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
-        if self.waiting and self.num_running:
+        if self.policy.preempts_for_waiting and self.waiting and self.num_running:
             self._preempt_for_waiting(b)
         new_running: list[Sequence] = []
         new_prefilling: list[Sequence] = []
@@ -195,9 +195,9 @@ class Scheduler:
         preemption, nothing to resend) is inlined: this loop runs for every sequence, every step."""
         append_slots = self.kv.append_slots
         scheduled, planned, keep = b.scheduled.append, b.seqs.append, new_running.append
-        bs, step_id = self.block_size, b.step_id
+        bs, step_id, running = self.block_size, b.step_id, RUNNING
         for seq in self.running:
-            if seq.status is not RUNNING:
+            if seq.status is not running:
                 continue  # finished or preempted since
             tokens = seq.token_ids
             num_tokens = len(tokens)
@@ -505,8 +505,9 @@ class Scheduler:
         no_logprobs = result.logprobs is None and result.top_logprobs is None
         seq_ids, token_ids = result.seq_ids, result.token_ids
         num_rows, cursor = len(seq_ids), 0
+        running = RUNNING
         for seq in b.seqs:
-            if seq.status is not RUNNING:
+            if seq.status is not running:
                 continue  # aborted or stopped while the step ran
             old = seq.num_computed_tokens
             new = seq.num_computed_tokens = old + seq.step_tokens
