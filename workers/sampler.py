@@ -83,8 +83,12 @@ class Sampler:
         """Sample rows that are not greedy; returns a new tensor, `logits` is left untouched."""
         device = logits.device
         vocab_size = logits.shape[1]
-        logits = logits / _row_tensor([p.temperature for p in params], device).unsqueeze(1)
-        if any(p.min_p > 0.0 for p in params):
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        if any(p.temperature != 1.0 for p in params):
+            logits = logits / _row_tensor([p.temperature for p in params], device).unsqueeze(1)
+        elif use_min_p:
+            logits = logits.clone()  # min_p masks in place; the caller's tensor stays intact
+        if use_min_p:
             apply_min_p(logits, _row_tensor([p.min_p for p in params], device))
 
         uniform = torch.rand(len(params), generator=self.generator, dtype=torch.float64).tolist()

@@ -90,8 +90,11 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         top_k_fits = row_top_k <= width
         log_norm = values.logsumexp(dim=1)
         if not bool(top_k_fits.all()):
-            unbounded = (~top_k_fits).nonzero().squeeze(1)
-            log_norm[unbounded] = rows[unbounded].logsumexp(dim=1)
+            if not bool(top_k_fits.any()):
+                log_norm = rows.logsumexp(dim=1)
+            else:
+                unbounded = (~top_k_fits).nonzero().squeeze(1)
+                log_norm[unbounded] = rows[unbounded].logsumexp(dim=1)
         cdf = (values - log_norm.unsqueeze(1)).exp_().cumsum_(dim=1)
         # Nucleus: keep tokens up to and including the first that brings the mass to top_p.
         nucleus = (cdf < row_top_p.unsqueeze(1)).sum(dim=1) + 1
