@@ -110,6 +110,9 @@ def main() -> int:
         uvloop.run(serve(server, on_listening))
     except SystemExit as exc:  # uvicorn's start-up failure (port in use, engine unreachable)
         log.error("stopped during start-up (code %s)", exc.code)
+        _notify_launcher(cfg.ipc.control_addr, messages.ProcessFatal(
+            "ingress", ns.rank, os.getpid(),
+            f"HTTP server failed to start on {cfg.server.host}:{cfg.server.port} (see its log)"))
         return 1
     except KeyboardInterrupt:
         return 0

@@ -55,6 +55,8 @@ class FakeDelta:
     index: int
     text: str
     token_ids: list[int]
+    token_offset: int = 0
+    text_offset: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
@@ -155,6 +157,7 @@ class FakeEngine:
             top = [[(token, -0.5)] + [(200 + k, -2.0 - k) for k in range(params.logprobs - 1)]
                    if params.logprobs else []]
         return FakeDelta(request_id=request_id, index=index, text=text, token_ids=[token],
+                         token_offset=step, text_offset=len(texts[index]) - len(text),
                          logprobs=logprobs, top_logprobs=top, finish_reason=finish,
                          stop_reason=reason, num_prompt_tokens=len(prompt),
                          num_output_tokens=n_out)
