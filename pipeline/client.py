@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -23,6 +24,60 @@ from pipeline.outputs import RequestError, RequestOutput, CompletionOutput
 from pipeline.sampling_params import SamplingParams
 
 _DONE = object()
+HEARTBEAT_S = 1.0        # the scheduler aborts the requests of a client silent for 5 s
+ENGINE_LOST_S = 30.0     # no answer from the scheduler this long: fail what is in flight
+
+
+class _Sample:
+    __slots__ = ("token_ids", "chars", "finished")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.chars = 0
+        self.finished = False
+
+
+class _Stream:
+    """A request in flight: enough to resubmit it, and what each sample has received."""
+
+    __slots__ = ("add", "queue", "samples")
+
+    def __init__(self, add: messages.AddRequest) -> None:
+        self.add = add
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.samples = [_Sample() for _ in range(add.sampling.n)]
+
+    def accept(self, d: messages.TextDelta) -> messages.TextDelta | None:
+        """Drop what was already received (a re-fed stream after a restart)."""
+        if d.index >= len(self.samples):
+            return None
+        sample = self.samples[d.index]
+        if sample.finished:
+            return None
+        skip_t = max(0, len(sample.token_ids) - d.token_offset)
+        skip_c = max(0, sample.chars - d.text_offset)
+        if skip_t or skip_c:
+            if skip_t >= len(d.token_ids) and skip_c >= len(d.text) and d.finish_reason is None:
+                return None
+            d = msgspec.structs.replace(
+                d, token_ids=d.token_ids[skip_t:], text=d.text[skip_c:],
+                token_offset=d.token_offset + skip_t, text_offset=d.text_offset + skip_c,
+                logprobs=None if d.logprobs is None else d.logprobs[skip_t:],
+                top_logprobs=None if d.top_logprobs is None else d.top_logprobs[skip_t:])
+        sample.token_ids.extend(d.token_ids)
+        sample.chars += len(d.text)
+        sample.finished = d.finish_reason is not None
+        return d
+
+    def resubmission(self) -> messages.AddRequest | None:
+        """The AddRequest that continues this stream on a restarted scheduler, if possible."""
+        received = [s.token_ids for s in self.samples]
+        if not any(received):
+            return self.add
+        if len(self.samples) > 1:
+            return None  # the n samples of one request can only be resumed together from scratch
+        return msgspec.structs.replace(self.add, output_token_ids=[list(received[0])],
+                                       text_offsets=[self.samples[0].chars])
 
 
 class AsyncEngineClient:
@@ -36,10 +91,13 @@ class AsyncEngineClient:
         self._ctx = zmq.asyncio.Context()
         self._frontend: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._instance: str | None = None  # the scheduler's; a new one means it restarted
+        self._last_answer = time.monotonic()
         self._closed = False
 
     # -- connection --------------------------------------------------------------------------
@@ -62,21 +120,23 @@ class AsyncEngineClient:
                 raise ConnectionError(f"no engine answered at {self.output_addr} within "
                                       f"{self.connect_timeout:.0f}s")
         self._reader = asyncio.ensure_future(self._read_loop())
+        self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         return self
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._heartbeat, self._reader):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         err = RequestError(503, "client closed")
-        for q in self._streams.values():
-            q.put_nowait(err)
+        for st in self._streams.values():
+            st.queue.put_nowait(err)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -104,16 +164,49 @@ class AsyncEngineClient:
                 while sock.get(zmq.EVENTS) & zmq.POLLIN:
                     self._dispatch(ipc.decode(await sock.recv_multipart()))
 
+    async def _heartbeat_loop(self) -> None:
+        """Keep the scheduler aware of us, notice its restarts, and give up on a dead engine."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                result = await self.call("health", timeout=2 * HEARTBEAT_S)
+            except (asyncio.TimeoutError, RuntimeError):
+                if self._streams and time.monotonic() - self._last_answer > ENGINE_LOST_S:
+                    self._fail_all(RequestError(503, f"no answer from the engine's scheduler for "
+                                                     f"{ENGINE_LOST_S:.0f}s"))
+                continue
+            self._last_answer = time.monotonic()
+            instance = result.get("instance")
+            if self._instance is not None and instance != self._instance:
+                self._resubmit_all()
+            self._instance = instance
+
+    def _resubmit_all(self) -> None:
+        for rid, st in list(self._streams.items()):
+            add = st.resubmission()
+            if add is None:
+                st.queue.put_nowait(RequestError(
+                    503, "the scheduler restarted and a request with n > 1 that had started "
+                         "cannot be resumed; resubmit it", rid))
+                continue
+            ipc.send(self._frontend, add)
+
+    def _fail_all(self, err: RequestError) -> None:
+        for st in self._streams.values():
+            st.queue.put_nowait(err)
+
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, messages.DeltaBatch):
             for delta in msg.deltas:
-                q = self._streams.get(delta.request_id)
-                if q is not None:
-                    q.put_nowait(delta)
+                st = self._streams.get(delta.request_id)
+                if st is not None:
+                    delta = st.accept(delta)
+                    if delta is not None:
+                        st.queue.put_nowait(delta)
         elif isinstance(msg, (messages.RequestRejected, messages.RequestFailed)):
-            q = self._streams.get(msg.request_id)
-            if q is not None:
-                q.put_nowait(RequestError(msg.status, msg.message, msg.request_id))
+            st = self._streams.get(msg.request_id)
+            if st is not None:
+                st.queue.put_nowait(RequestError(msg.status, msg.message, msg.request_id))
         elif isinstance(msg, messages.UtilityReply):
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
@@ -147,15 +240,15 @@ class AsyncEngineClient:
         ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = q
+        st = _Stream(messages.AddRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=params,
+            arrival_time=time.time(), priority=priority, cache_salt=cache_salt))
+        self._streams[request_id] = st
         remaining = params.n
         try:
-            ipc.send(self._frontend, messages.AddRequest(
-                request_id=request_id, prompt_token_ids=ids, sampling=params,
-                arrival_time=time.time(), priority=priority, cache_salt=cache_salt))
+            ipc.send(self._frontend, st.add)
             while remaining:
-                item = await q.get()
+                item = await st.queue.get()
                 if isinstance(item, RequestError):
                     raise item
                 if item.finish_reason is not None:

@@ -83,8 +83,11 @@ class SchedulingArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
+    step_timeout: float = 120.0  # a step running longer means a hung worker group
 
     def __post_init__(self) -> None:
+        if self.step_timeout <= 0:
+            raise ValueError(f"--step-timeout must be positive seconds, got {self.step_timeout}")
         if self.preemption_mode not in ("swap", "recompute", "auto"):
             raise ValueError(f"--preemption-mode must be swap, recompute or auto, got {self.preemption_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -98,6 +101,22 @@ class ServerArgs:
     api_key: str | None = None
     http: bool = True  # start the HTTP ingress
     max_request_bytes: int = 1 << 20
+
+
+@dataclass(slots=True)
+class SupervisorArgs:
+    """Restart policy: more than `max_restarts` restarts of one role within `restart_window`
+    seconds is a crash loop, and the group gives up."""
+
+    max_restarts: int = 3
+    restart_window: float = 60.0
+    heartbeat_timeout: float = 10.0  # a scheduler/detokenizer silent this long is hung
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_window <= 0 or self.heartbeat_timeout <= 0:
+            raise ValueError("--restart-window and --heartbeat-timeout must be positive seconds")
 
 
 @dataclass(slots=True)
@@ -129,6 +148,7 @@ class EngineConfig:
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     scheduling: SchedulingArgs = field(default_factory=SchedulingArgs)
     server: ServerArgs = field(default_factory=ServerArgs)
+    supervisor: SupervisorArgs = field(default_factory=SupervisorArgs)
     ipc: IpcArgs = field(default_factory=IpcArgs)
 
     def to_json(self) -> str:
@@ -154,7 +174,8 @@ class EngineConfig:
 
 
 _SECTIONS = {"model": ModelArgs, "cache": CacheArgs, "parallel": ParallelArgs,
-             "scheduling": SchedulingArgs, "server": ServerArgs, "ipc": IpcArgs}
+             "scheduling": SchedulingArgs, "server": ServerArgs, "supervisor": SupervisorArgs,
+             "ipc": IpcArgs}
 _FIELD_OWNER = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
 
 
@@ -187,6 +208,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _bool_flag(p, "enable-chunked-prefill", True, "split long prompts into chunks")
     p.add_argument("--preemption-mode", default="auto", choices=["swap", "recompute", "auto"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--step-timeout", type=float, default=d.scheduling.step_timeout,
+                   help="seconds a step may take before the worker group counts as hung")
+    p.add_argument("--max-restarts", type=int, default=d.supervisor.max_restarts,
+                   help="restarts of one role within --restart-window before giving up")
+    p.add_argument("--restart-window", type=float, default=d.supervisor.restart_window)
+    p.add_argument("--heartbeat-timeout", type=float, default=d.supervisor.heartbeat_timeout)
     p.add_argument("--host", default=d.server.host)
     p.add_argument("--port", type=int, default=d.server.port)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))

@@ -1,12 +1,19 @@
 """Launcher/supervisor: `python -m pipeline.launch [vLLM-style flags]`.
 
 Starts every role as its own OS process (`python -m ...`, never fork), waits until each reports
-ready, watches every child's pidfd, forwards SIGINT/SIGTERM as a graceful drain (ingress first,
-then the scheduler, which finishes in-flight requests and tells workers and detokenizer to
-stop), and on exit leaves no child process, ipc socket file or shared-memory segment behind.
+ready, and watches them: a child's pidfd for its death, heartbeats for a hung scheduler or
+detokenizer, the scheduler's StepTimeout for a hung worker group. A dead or hung role is
+restarted (the whole worker group for any rank) and the scheduler is told, so that no accepted
+request is lost; more than --max-restarts restarts of one role within --restart-window seconds
+is a crash loop: every client is told why, and the group exits non-zero.
+
+SIGINT/SIGTERM drain gracefully (ingress first, then the scheduler, which finishes in-flight
+requests and stops workers and detokenizer). On exit no child process, ipc socket file or
+shared-memory segment of ours is left behind.
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -20,12 +27,14 @@ import zmq
 
 from pipeline import ipc, messages
 from pipeline.config import EngineConfig, build_arg_parser, config_from_args
+from pipeline.faults import INCARNATION_ENV
 from pipeline.procutil import setup_logging
 
 log = setup_logging("launcher")
 
 READY_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_READY_TIMEOUT", "600"))
 DRAIN_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_DRAIN_TIMEOUT", "120"))
+HEARTBEAT_ROLES = ("scheduler", "detokenizer")
 
 
 @dataclass(slots=True)
@@ -36,16 +45,36 @@ class Child:
     proc: subprocess.Popen | None = None
     pidfd: int = -1
     ready: bool = False
+    incarnation: int = -1
+    last_cause: str = ""
+    last_beat: float = 0.0
 
     @property
     def name(self) -> str:
         return f"{self.role}{self.rank}" if self.role == "worker" else self.role
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
 
 def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Fatal(Exception):
+    pass
 
 
 @dataclass
@@ -57,26 +86,34 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         cfg = self.config
-        if not cfg.ipc.dist_init_addr:
-            cfg.ipc.dist_init_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+        cfg.ipc.dist_init_addr = cfg.ipc.dist_init_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
         self.children = [Child("scheduler", 0, "pipeline.scheduler_process")]
         self.children += [Child("worker", r, "workers.worker_process")
                           for r in range(cfg.parallel.tensor_parallel_size)]
         self.children.append(Child("detokenizer", 0, "pipeline.detokenizer_process"))
         if cfg.server.http:
             self.children.append(Child("ingress", 0, "pipeline.ingress"))
+        self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.ctx = zmq.Context()
         self.control = ipc.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
+        self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.events_addr, bind=False)
+        self.to_detok = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, child: Child) -> None:
+        child.incarnation += 1
+        child.ready, child.last_cause, child.last_beat = False, "", time.monotonic()
         cmd = [sys.executable, "-m", child.module, "--config-json", self.config.to_json(),
                "--rank", str(child.rank)]
         env = dict(os.environ, PAGEDSERVE_ROLE=child.name)
+        env[INCARNATION_ENV] = str(child.incarnation)
         # Own session: a terminal's Ctrl-C reaches only the launcher, which orders the drain.
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        if child.pidfd >= 0:
+            os.close(child.pidfd)
         child.pidfd = os.pidfd_open(child.proc.pid)
-        log.info("started %s pid=%d", child.name, child.proc.pid)
+        log.info("%s %s pid=%d", "restarted" if child.incarnation else "started", child.name,
+                 child.proc.pid)
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,22 +140,22 @@ class Supervisor:
         self.draining = True
         log.info("received %s: draining (in-flight requests finish, new ones are refused)",
                  signal.Signals(signum).name)
-        self._begin_drain()
-
-    def _begin_drain(self) -> None:
-        # The ingress stops accepting connections and finishes its streams; the scheduler
-        # refuses new requests, completes the rest, then stops workers and detokenizer.
         for child in self.children:
-            if child.role in ("ingress", "scheduler") and child.proc and child.proc.poll() is None:
+            if child.role in ("ingress", "scheduler") and child.alive:
                 child.proc.send_signal(signal.SIGTERM)
 
-    def _poller(self) -> zmq.Poller:
+    # -- watching ----------------------------------------------------------------------------
+    def _poll(self, timeout_ms: int) -> None:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         for child in self.children:
-            if child.pidfd >= 0:
+            if child.pidfd >= 0 and child.alive:
                 poller.register(child.pidfd, zmq.POLLIN)
-        return poller
+        poller.poll(timeout_ms)
+        self._handle_control()
+
+    def _child(self, role: str, rank: int = 0) -> Child | None:
+        return next((c for c in self.children if c.role == role and c.rank == rank), None)
 
     def _handle_control(self) -> None:
         while True:
@@ -126,84 +163,145 @@ class Supervisor:
                 msg = ipc.recv(self.control, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if isinstance(msg, messages.ProcessReady):
-                for child in self.children:
-                    if child.role == msg.role and child.rank == msg.rank:
-                        child.ready = True
-                        log.info("%s pid=%d ready%s", child.name, msg.pid,
-                                 f" ({msg.detail})" if msg.detail else "")
+            if isinstance(msg, messages.Heartbeat):
+                child = self._child(msg.role)
+                if child is not None and child.proc is not None and child.proc.pid == msg.pid:
+                    child.last_beat = time.monotonic()
+            elif isinstance(msg, messages.ProcessReady):
+                self._on_ready(msg)
             elif isinstance(msg, messages.ProcessFatal):
-                raise _Fatal(f"{msg.role}{msg.rank if msg.role == 'worker' else ''} "
-                             f"pid={msg.pid} failed: {msg.message}")
+                child = self._child(msg.role, msg.rank)
+                if child is not None:
+                    child.last_cause = msg.message
+            elif isinstance(msg, messages.StepTimeout) and not self.draining:
+                self._restart_workers(f"step {msg.step_id} ran past --step-timeout "
+                                      f"({msg.seconds:.0f}s): the worker group hung")
 
-    def _exited_children(self) -> list[Child]:
-        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+    def _on_ready(self, msg: messages.ProcessReady) -> None:
+        child = self._child(msg.role, msg.rank)
+        if child is None or child.proc is None or child.proc.pid != msg.pid:
+            return
+        child.ready, child.last_beat = True, time.monotonic()
+        log.info("%s pid=%d ready%s", child.name, msg.pid, f" ({msg.detail})" if msg.detail else "")
+        if child.incarnation and child.role == "detokenizer":
+            self._tell_scheduler(messages.RoleRestarted("detokenizer"))
+        elif child.incarnation and child.role == "ingress":
+            self._tell_scheduler(messages.RoleRestarted("ingress"))
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        poller = self._poller()
         while not all(c.ready for c in self.children):
             if self.draining:
                 raise _Fatal("interrupted before the group was ready")
             if time.monotonic() > deadline:
                 missing = ", ".join(c.name for c in self.children if not c.ready)
                 raise _Fatal(f"not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
-            poller.poll(500)
-            self._handle_control()
-            dead = self._exited_children()
-            if dead:
-                c = dead[0]
-                raise _Fatal(f"{c.name} pid={c.proc.pid} exited with code {c.proc.returncode} "
-                             "during start-up (see its log above)")
+            self._poll(500)
+            for c in self.children:
+                if c.proc is not None and c.proc.poll() is not None:
+                    raise _Fatal(f"{c.name} pid={c.proc.pid} {describe_exit(c.proc.returncode)} "
+                                 f"during start-up{': ' + c.last_cause if c.last_cause else ''}")
 
     def _watch(self) -> None:
-        poller = self._poller()
         while True:
-            poller.poll(1000)
-            self._handle_control()
-            dead = self._exited_children()
-            if not dead:
-                continue
+            self._poll(500)
             if self.draining:
-                sched = next(c for c in self.children if c.role == "scheduler")
-                if sched.proc.poll() is not None:
+                sched = self._child("scheduler")
+                if not sched.alive:
                     self.exit_code = 0 if sched.proc.returncode == 0 else 1
                     return
-                # Other roles stopping during a drain is expected: wait for the scheduler.
-                for c in dead:
-                    if c.pidfd >= 0:
-                        poller.unregister(c.pidfd)
-                        os.close(c.pidfd)
-                        c.pidfd = -1
-                continue
-            c = dead[0]
-            raise _Fatal(f"{c.name} pid={c.proc.pid} died unexpectedly with code "
-                         f"{c.proc.returncode}; stopping the group")
+                continue  # other roles stopping during a drain is expected
+            now = time.monotonic()
+            for child in self.children:
+                if child.proc is None:
+                    continue
+                if not child.alive:
+                    cause = child.last_cause or describe_exit(child.proc.returncode)
+                    log.error("%s pid=%d %s", child.name, child.proc.pid, cause)
+                    if child.role == "worker":
+                        self._restart_workers(f"{child.name} {cause}")
+                    else:
+                        self._restart(child, cause)
+                elif (child.role in HEARTBEAT_ROLES and child.ready
+                      and now - child.last_beat > self.config.supervisor.heartbeat_timeout):
+                    log.error("%s pid=%d sent no heartbeat for %.0fs: hung; killing it",
+                              child.name, child.proc.pid, now - child.last_beat)
+                    child.last_cause = f"hung (no heartbeat for {now - child.last_beat:.0f}s)"
+                    child.proc.kill()
+                    child.proc.wait()
 
+    # -- restarts ----------------------------------------------------------------------------
+    def _count_restart(self, role: str, cause: str) -> None:
+        sup = self.config.supervisor
+        now = time.monotonic()
+        times = self.restarts[role]
+        times.append(now)
+        while times and now - times[0] > sup.restart_window:
+            times.popleft()
+        if len(times) > sup.max_restarts:
+            self._give_up(role, f"{role} failed {len(times)} times within "
+                                f"{sup.restart_window:.0f}s (crash loop); last: {cause}")
+
+    def _restart(self, child: Child, cause: str) -> None:
+        self._count_restart(child.role, cause)
+        if child.role != "scheduler":
+            self._tell_scheduler(messages.RoleDown(child.role, cause))
+        self.start(child)
+
+    def _restart_workers(self, cause: str) -> None:
+        self._count_restart("worker", cause)
+        self._tell_scheduler(messages.RoleDown("worker", cause))
+        workers = [c for c in self.children if c.role == "worker"]
+        for c in workers:  # surviving ranks are stuck in a collective with the dead one
+            if c.alive:
+                c.proc.kill()
+        for c in workers:
+            if c.proc is not None:
+                c.proc.wait()
+        self.config.ipc.dist_init_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for c in workers:
+            self.start(c)
+
+    def _give_up(self, role: str, message: str) -> None:
+        log.error("giving up: %s", message)
+        for sock in (self.to_scheduler, self.to_detok):
+            try:
+                ipc.send(sock, messages.GroupFailed(role, message), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        time.sleep(1.0)  # let the survivors tell their clients why
+        raise _Fatal(message)
+
+    def _tell_scheduler(self, msg) -> None:
+        try:
+            ipc.send(self.to_scheduler, msg, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # -- shutdown ----------------------------------------------------------------------------
     def _stop_all(self) -> None:
-        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if self.draining and self.exit_code == 0 else 5)
+        graceful = self.draining and self.exit_code == 0
+        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if graceful else 5)
         for child in self.children:
-            if child.proc and child.proc.poll() is None and not self.draining:
+            if child.alive and not self.draining:
                 child.proc.send_signal(signal.SIGTERM)
         for child in self.children:
             if child.proc is None:
                 continue
-            remaining = max(0.1, deadline - time.monotonic())
             try:
-                child.proc.wait(timeout=remaining)
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s pid=%d did not stop in time; killing it", child.name, child.proc.pid)
                 child.proc.kill()
                 child.proc.wait()
-            if child.proc.returncode not in (0, -signal.SIGTERM) and self.exit_code == 0 and not self.draining:
-                self.exit_code = 1
             log.info("stopped %s pid=%d code=%s", child.name, child.proc.pid, child.proc.returncode)
             if child.pidfd >= 0:
                 os.close(child.pidfd)
                 child.pidfd = -1
 
     def _cleanup(self) -> None:
-        self.control.close(0)
+        for sock in (self.control, self.to_scheduler, self.to_detok):
+            sock.close(0)
         self.ctx.term()
         ipc_dir = self.config.ipc.ipc_dir
         if ipc_dir and os.path.isdir(ipc_dir) and os.path.basename(ipc_dir).startswith("pagedserve-"):
@@ -220,10 +318,6 @@ class Supervisor:
                         pass
 
 
-class _Fatal(Exception):
-    pass
-
-
 def resolve_model_once(config: EngineConfig) -> None:
     """Fetch/convert the model in the launcher so the children only read the cache."""
     from workers.loader import ModelLoadError, resolve_model
@@ -238,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_arg_parser().parse_args(argv)
     try:
         config = config_from_args(ns)
+        from pipeline.faults import ENV, parse
+        parse(os.environ.get(ENV, ""))  # a bad fault spec fails here, once, clearly
     except (ValueError, TypeError) as exc:
         log.error("bad configuration: %s", exc)
         return 2

@@ -79,6 +79,10 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--max-queued-requests", str(s.max_queued_requests),
             "--preemption-mode", s.preemption_mode, "--scheduling-policy", s.scheduling_policy,
+            "--step-timeout", str(s.step_timeout),
+            "--max-restarts", str(config.supervisor.max_restarts),
+            "--restart-window", str(config.supervisor.restart_window),
+            "--heartbeat-timeout", str(config.supervisor.heartbeat_timeout),
             "--ipc-dir", config.ipc.ipc_dir, "--no-http"]
     if m.served_model_name:
         argv += ["--served-model-name", m.served_model_name]

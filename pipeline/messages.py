@@ -14,7 +14,9 @@ from pipeline.sampling_params import SamplingParams
 __all__ = ["NewSeq", "ScheduledSeq", "Fork", "StepPlan", "StepResult", "AddRequest", "Abort",
            "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
-           "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown"]
+           "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
+           "Reset", "StepTimeout", "RoleDown", "RoleRestarted", "GroupFailed",
+           "Heartbeat"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +131,7 @@ class SampleTokens(msgspec.Struct, kw_only=True):
     request_id: str
     index: int
     token_ids: list[int]
+    offset: int = 0  # position of token_ids[0] in the sample's output (re-feeds repeat ids)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -143,10 +146,15 @@ class TokenBatch(msgspec.Struct):
 
 
 class TextDelta(msgspec.Struct, kw_only=True):
+    """New output of one sample. The offsets say where `token_ids` and `text` start in the
+    sample's whole output, so a client drops what it already has when a stream is re-fed after
+    a restart: every stream is idempotent."""
     request_id: str
     index: int
     text: str
     token_ids: list[int]
+    token_offset: int = 0
+    text_offset: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
@@ -201,10 +209,42 @@ class ProcessFatal(msgspec.Struct):
 
 
 class WorkerReady(msgspec.Struct):
+    """A rank is built (token "") or has applied Reset(token) and holds no sequence state."""
     rank: int
     pid: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    token: str = ""
+
+
+class Reset(msgspec.Struct):
+    """Scheduler -> workers and detokenizer: drop every sequence/request state. Workers answer
+    WorkerReady(token); a Reset whose token was already applied is ignored (it is resent until
+    answered)."""
+    token: str
+
+
+class StepTimeout(msgspec.Struct):
+    """Scheduler -> launcher: a step ran past --step-timeout; the worker group is hung."""
+    step_id: int
+    seconds: float
+
+
+class RoleDown(msgspec.Struct):
+    """Launcher -> scheduler: a role died and is being restarted (health turns 503)."""
+    role: str
+    cause: str
+
+
+class RoleRestarted(msgspec.Struct):
+    """Launcher -> scheduler: a restarted role is ready again."""
+    role: str
+
+
+class GroupFailed(msgspec.Struct):
+    """Launcher -> scheduler and detokenizer: giving up; fail every request with this cause."""
+    role: str
+    message: str
 
 
 class WorkerFailed(msgspec.Struct):
@@ -215,3 +255,9 @@ class WorkerFailed(msgspec.Struct):
 
 class Shutdown(msgspec.Struct):
     reason: str = ""
+
+
+class Heartbeat(msgspec.Struct):
+    """Scheduler/detokenizer -> launcher, about once a second from their loops."""
+    role: str
+    pid: int

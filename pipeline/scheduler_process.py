@@ -1,10 +1,16 @@
 """Scheduler role: `python -m pipeline.scheduler_process --config-json ...`.
 
-Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall), a ROUTER for the worker ranks
-(StepPlan out to every rank, StepResult back from rank 0), a PULL for the detokenizer's
-StopMatched/Abort, and a PUSH to the detokenizer (DetokOpen/TokenBatch). While the workers
-compute a step the loop keeps taking requests, aborts and utility calls; the next plan is built
-the moment the result arrives. With nothing to do it blocks on its sockets.
+Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall, heartbeats), a ROUTER for the
+worker ranks (Reset and StepPlan out to every rank, WorkerReady and StepResult back), a PULL
+for the detokenizer's StopMatched/Abort and the launcher's lifecycle news, and a PUSH to the
+detokenizer (DetokOpen/TokenBatch). While the workers compute a step the loop keeps taking
+requests, aborts and utility calls; the next plan is built the moment the result arrives. With
+nothing to do it blocks on its sockets (waking once a second for liveness checks).
+
+Worker-group lifecycle: the scheduler owns an epoch token. At start and after every loss of the
+workers' KV state (a rank died, raised, or a step ran past --step-timeout) it takes a new
+token, requeues every live sequence for recompute and resends Reset(token) to each rank until
+all answer WorkerReady(token); only then does it plan again.
 """
 from __future__ import annotations
 
@@ -12,17 +18,21 @@ import os
 import signal
 import sys
 import time
+import uuid
 
 import zmq
 
 from pipeline import ipc, messages
 from pipeline.config import EngineConfig
+from pipeline.faults import FaultInjector
 from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 from pipeline.scheduler import Scheduler, SchedulerConfig
 from pipeline.scheduler_service import SchedulerService
 
 log = setup_logging("scheduler")
-IDLE_POLL_MS = 1000  # only to notice a drain signal; no work is done when idle
+IDLE_POLL_MS = 1000
+RESET_RETRY_S = 0.5
+DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
 
 
 def worker_identity(rank: int) -> bytes:
@@ -48,38 +58,85 @@ class SchedulerProcess:
         self.model_config = load_model_config(cfg.model.model)
         self.max_model_len = cfg.model.max_model_len or self.model_config.max_position_embeddings
         self.tp_size = cfg.parallel.tensor_parallel_size
+        self.step_timeout = cfg.scheduling.step_timeout
+        self.instance = uuid.uuid4().hex[:12]
+        self.epoch = 0
+        self.faults = FaultInjector.from_env("scheduler")
         self.ctx = zmq.Context()
         self.frontend = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
         self.workers = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
         self.events = ipc.make_socket(self.ctx, zmq.PULL, cfg.ipc.events_addr, bind=True)
         self.detok = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
+        self.detok.setsockopt(zmq.SNDHWM, DETOK_HWM)  # backpressure, bounded memory
         self.control = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
         self.block_tables = None
         self.service: SchedulerService | None = None
         self.inflight: messages.StepPlan | None = None
+        self.inflight_since = 0.0
+        self.ready_ranks: dict[int, messages.WorkerReady] = {}
+        self.last_reset_sent = 0.0
         self.stop_requested = False
 
-    # -- start-up ------------------------------------------------------------------------------
-    def wait_for_workers(self) -> tuple[int, int]:
-        ready: dict[int, messages.WorkerReady] = {}
-        while len(ready) < self.tp_size:
-            if not self.workers.poll(IDLE_POLL_MS):
-                if self.stop_requested:
-                    raise SystemExit(0)
+    @property
+    def token(self) -> str:
+        return f"{self.instance}:{self.epoch}"
+
+    @property
+    def workers_ready(self) -> bool:
+        return len(self.ready_ranks) == self.tp_size
+
+    # -- worker group --------------------------------------------------------------------------
+    def _send_resets(self) -> None:
+        reset = ipc.encode(messages.Reset(self.token))
+        for rank in range(self.tp_size):
+            if rank in self.ready_ranks:
                 continue
-            _, msg = ipc.recv_routed(self.workers)
-            if isinstance(msg, messages.WorkerReady):
-                ready[msg.rank] = msg
-            elif isinstance(msg, messages.WorkerFailed):
-                raise RuntimeError(f"worker rank {msg.rank} failed to start: {msg.message}")
-        return (min(r.num_gpu_blocks for r in ready.values()),
-                min(r.num_cpu_blocks for r in ready.values()))
+            try:
+                self.workers.send_multipart([worker_identity(rank), *reset], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # not connected (yet): retried
+        self.last_reset_sent = time.monotonic()
+
+    def lose_workers(self, why: str) -> None:
+        """The workers' KV state is gone: recompute everything on a fresh (reset) group."""
+        self.epoch += 1
+        self.ready_ranks.clear()
+        self.inflight = None
+        if self.service is not None:
+            n = self.service.scheduler.reset_device_state()
+            self.service.roles_down.setdefault("worker", why)
+            log.info("worker group lost (%s): %d sequence(s) will be recomputed", why, n)
+        self._send_resets()
+
+    def _on_worker_ready(self, msg: messages.WorkerReady) -> None:
+        if msg.token != self.token:
+            # A rank that (re)started, or an answer to an older Reset: ask it to join this epoch.
+            self.ready_ranks.pop(msg.rank, None)
+            self._send_resets()
+            return
+        self.ready_ranks[msg.rank] = msg
+        if self.workers_ready and self.service is not None:
+            self.service.roles_down.pop("worker", None)
+            log.info("worker group ready (epoch %d)", self.epoch)
+
+    def wait_for_workers(self) -> tuple[int, int]:
+        self._send_resets()
+        while not self.workers_ready:
+            if self.stop_requested:
+                raise SystemExit(0)
+            if self.workers.poll(int(RESET_RETRY_S * 1000)):
+                self._drain_workers()
+            if time.monotonic() - self.last_reset_sent > RESET_RETRY_S:
+                self._send_resets()
+        ready = self.ready_ranks.values()
+        return min(r.num_gpu_blocks for r in ready), min(r.num_cpu_blocks for r in ready)
 
     def build(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         from kvmanager import SharedBlockTables
         sconf = scheduler_config(self.cfg, self.max_model_len)
         max_blocks = -(-self.max_model_len // sconf.block_size)
         tag = os.path.basename(self.cfg.ipc.ipc_dir) or f"pagedserve-{os.getpid()}"
+        _unlink_stale_segment(f"{tag}_bt")  # a killed predecessor could not unlink its own
         # A row per sequence holding blocks: running ones plus swapped ones (>= 1 host block each).
         self.block_tables = SharedBlockTables(sconf.max_num_seqs + num_cpu_blocks, max_blocks,
                                               name=f"{tag}_bt")
@@ -87,7 +144,7 @@ class SchedulerProcess:
                                           eos_token_ids=self.model_config.eos_token_ids,
                                           block_tables=self.block_tables)
         self.service = SchedulerService(
-            scheduler,
+            scheduler, instance=self.instance,
             send_to_client=lambda cid, msg: ipc.send(self.frontend, msg, identity=cid),
             send_to_detok=lambda msg: ipc.send(self.detok, msg))
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
@@ -95,43 +152,69 @@ class SchedulerProcess:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
+        # Whatever the detokenizer holds belongs to a previous scheduler (if any).
+        ipc.send(self.detok, messages.Reset(self.instance))
         num_gpu, num_cpu = self.wait_for_workers()
         self.build(num_gpu, num_cpu)
         ipc.send(self.control, messages.ProcessReady("scheduler", 0, os.getpid(),
                                                      f"{num_gpu} KV blocks"))
+        self.faults.started()
         poller = zmq.Poller()
         for sock in (self.frontend, self.workers, self.events):
             poller.register(sock, zmq.POLLIN)
         service = self.service
+        last_liveness = time.monotonic()
         while True:
             if self.stop_requested and not service.draining:
                 service.draining = True
                 log.info("draining: %d request(s) in flight", len(service.scheduler.requests))
             if service.draining and self.inflight is None and not service.scheduler.has_unfinished():
                 return 0
-            busy = self.inflight is None and service.scheduler.has_unfinished()
-            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            can_step = self.workers_ready and self.inflight is None
+            busy = can_step and service.scheduler.has_unfinished()
+            timeout = 0 if busy else (int(RESET_RETRY_S * 1000) if not self.workers_ready
+                                      else IDLE_POLL_MS)
+            events = dict(poller.poll(timeout))
             if self.workers in events:
                 self._drain_workers()
             if self.frontend in events:
                 self._drain_frontend()
             if self.events in events:
                 self._drain_events()
-            if self.inflight is None and service.scheduler.has_unfinished():
+            now = time.monotonic()
+            if not self.workers_ready and now - self.last_reset_sent > RESET_RETRY_S:
+                self._send_resets()
+            if self.inflight is not None and now - self.inflight_since > self.step_timeout:
+                log.error("step %d has run %.1fs, past --step-timeout %.1fs: the worker group "
+                          "is hung", self.inflight.step_id, now - self.inflight_since, self.step_timeout)
+                ipc.send(self.control, messages.StepTimeout(self.inflight.step_id, self.step_timeout))
+                self.lose_workers(f"step {self.inflight.step_id} timed out")
+            if now - last_liveness >= 1.0:
+                service.abort_silent_clients()
+                ipc.send(self.control, messages.Heartbeat("scheduler", os.getpid()))
+                last_liveness = now
+            if self.workers_ready and self.inflight is None and service.scheduler.has_unfinished():
                 self._start_step()
 
     def _start_step(self) -> None:
         scheduler = self.service.scheduler
         plan = scheduler.schedule(time.time())
+        self.faults.on_message(step=plan.step_id)
         if not (plan.scheduled or plan.new_seqs or plan.swap_out or plan.swap_in or plan.copy
                 or plan.forks or plan.finished_seq_ids):
             # Nothing can run now (e.g. waiting for blocks that an abort will free).
             scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
             return
         frames = ipc.encode(plan)
-        for rank in range(self.tp_size):
-            self.workers.send_multipart([worker_identity(rank), *frames], copy=False)
+        try:
+            for rank in range(self.tp_size):
+                self.workers.send_multipart([worker_identity(rank), *frames], copy=False)
+        except zmq.ZMQError as exc:  # a rank vanished between its last answer and now
+            scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
+            self.lose_workers(f"cannot reach a worker rank: {exc}")
+            return
         self.inflight = plan
+        self.inflight_since = time.monotonic()
 
     def _drain_workers(self) -> None:
         while True:
@@ -140,13 +223,16 @@ class SchedulerProcess:
             except zmq.Again:
                 return
             if isinstance(msg, messages.StepResult):
-                plan, self.inflight = self.inflight, None
+                plan = self.inflight
                 if plan is None or plan.step_id != msg.step_id:
-                    raise RuntimeError(f"result for step {msg.step_id} but step "
-                                       f"{None if plan is None else plan.step_id} is in flight")
+                    continue  # a result from before a reset: its step was discarded
+                self.inflight = None
                 self.service.on_step_result(plan, msg)
+            elif isinstance(msg, messages.WorkerReady):
+                self._on_worker_ready(msg)
             elif isinstance(msg, messages.WorkerFailed):
-                raise RuntimeError(f"worker rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
+                if self.inflight is not None or self.workers_ready:
+                    self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
 
     def _drain_frontend(self) -> None:
         service = self.service
@@ -161,20 +247,34 @@ class SchedulerProcess:
             if isinstance(msg, messages.AddRequest):
                 service.on_add(client_id, msg)
             elif isinstance(msg, messages.Abort):
+                service.seen(client_id)
                 service.on_abort(msg.request_ids)
             elif isinstance(msg, messages.UtilityCall):
                 service.on_utility(client_id, msg)
 
     def _drain_events(self) -> None:
+        service = self.service
         while True:
             try:
                 msg = ipc.recv(self.events, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if isinstance(msg, messages.StopMatched):
-                self.service.on_stop_matched(msg)
+                service.on_stop_matched(msg)
             elif isinstance(msg, messages.Abort):
-                self.service.on_abort(msg.request_ids)
+                service.on_abort(msg.request_ids)
+            elif isinstance(msg, messages.RoleDown):
+                log.info("%s is down (%s); restarting", msg.role, msg.cause)
+                if msg.role.startswith("worker"):
+                    self.lose_workers(msg.cause)
+                else:
+                    service.roles_down[msg.role] = msg.cause
+            elif isinstance(msg, messages.RoleRestarted):
+                service.roles_down.pop(msg.role, None)
+                if msg.role == "detokenizer":
+                    service.refeed_detokenizer()
+            elif isinstance(msg, messages.GroupFailed):
+                service.fail_all(503, msg.message)
 
     def shutdown(self) -> None:
         stop = ipc.encode(messages.Shutdown("scheduler stopped"))
@@ -193,7 +293,12 @@ class SchedulerProcess:
         self.ctx.term()
         if self.block_tables is not None:
             self.block_tables.close()
-            self.block_tables.unlink()
+
+
+def _unlink_stale_segment(name: str) -> None:
+    path = os.path.join("/dev/shm", name)
+    if os.path.exists(path):
+        os.unlink(path)
 
 
 def main() -> int:
@@ -215,7 +320,8 @@ def main() -> int:
     except Exception as exc:  # a fatal error: tell the launcher, then exit non-zero
         log.exception("fatal: %s", exc)
         try:
-            ipc.send(proc.control, messages.ProcessFatal("scheduler", 0, os.getpid(), str(exc)))
+            ipc.send(proc.control, messages.ProcessFatal("scheduler", 0, os.getpid(),
+                                                         f"{type(exc).__name__}: {exc}"))
         except zmq.ZMQError:
             pass
     finally:

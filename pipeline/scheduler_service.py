@@ -15,6 +15,7 @@ from pipeline.scheduler import QueueFull, RequestRejected, Scheduler
 from pipeline.sequence import Request, SequenceOutput
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class _Owned:
     client_id: bytes
     sampling: object
     num_prompt_tokens: int
+    sent: list[int]  # per sample: output tokens forwarded to the detokenizer so far
 
 
 class Histogram:
@@ -47,18 +49,30 @@ class Histogram:
 
 class SchedulerService:
     def __init__(self, scheduler: Scheduler, *, send_to_client: Callable[[bytes, object], None],
-                 send_to_detok: Callable[[object], None], clock: Callable[[], float] = time.time):
+                 send_to_detok: Callable[[object], None], clock: Callable[[], float] = time.time,
+                 instance: str = "", client_timeout_s: float = CLIENT_TIMEOUT_S):
         self.scheduler = scheduler
         self.send_to_client = send_to_client
         self.send_to_detok = send_to_detok
         self.clock = clock
+        self.instance = instance  # changes when the scheduler restarts: clients resubmit
+        self.client_timeout_s = client_timeout_s
         self.owners: dict[str, _Owned] = {}
+        self.last_seen: dict[bytes, float] = {}
         self.draining = False
-        self.healthy = True
+        self.roles_down: dict[str, str] = {}  # role -> cause, while it restarts
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.roles_down
+
+    def seen(self, client_id: bytes) -> None:
+        self.last_seen[client_id] = self.clock()
 
     # -- client messages ---------------------------------------------------------------------
     def on_add(self, client_id: bytes, msg: messages.AddRequest) -> None:
+        self.seen(client_id)
         if self.draining:
             self.send_to_client(client_id, messages.RequestRejected(
                 msg.request_id, 503, "the server is shutting down and accepts no new requests"))
@@ -74,10 +88,15 @@ class SchedulerService:
         except RequestRejected as exc:
             self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 400, exc.reason))
             return
-        self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids))
+        self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids),
+                                             [len(outputs)] + [0] * (msg.sampling.n - 1))
         self.send_to_detok(messages.DetokOpen(
             request_id=msg.request_id, client_id=client_id, prompt_token_ids=msg.prompt_token_ids,
-            sampling=msg.sampling, text_offsets=msg.text_offsets))
+            sampling=msg.sampling))
+        if outputs:  # a resubmission: the detokenizer needs the text so far (clients dedupe)
+            self.send_to_detok(messages.TokenBatch(-1, [messages.SampleTokens(
+                request_id=msg.request_id, index=0, token_ids=list(outputs), offset=0,
+                num_prompt_tokens=len(msg.prompt_token_ids))]))
 
     def on_abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -91,14 +110,57 @@ class SchedulerService:
                 self.owners.pop(out.request_id, None)
 
     def on_utility(self, client_id: bytes, msg: messages.UtilityCall) -> None:
+        self.seen(client_id)
         if msg.method == "stats":
             reply = messages.UtilityReply(msg.call_id, result=self.stats())
         elif msg.method == "health":
             reply = messages.UtilityReply(msg.call_id, result={
-                "ok": self.healthy and not self.draining, "draining": self.draining})
+                "ok": self.healthy and not self.draining, "draining": self.draining,
+                "instance": self.instance, "down": dict(self.roles_down)})
         else:
             reply = messages.UtilityReply(msg.call_id, error=f"unknown utility method {msg.method!r}")
         self.send_to_client(client_id, reply)
+
+    # -- liveness and recovery -----------------------------------------------------------------
+    def abort_silent_clients(self) -> None:
+        """Abort the requests of clients that stopped sending heartbeats (e.g. a dead ingress)."""
+        now = self.clock()
+        gone = {cid for cid, t in self.last_seen.items() if now - t > self.client_timeout_s}
+        if not gone:
+            return
+        for cid in gone:
+            del self.last_seen[cid]
+        rids = [rid for rid, o in self.owners.items() if o.client_id in gone]
+        self.on_abort(rids)
+
+    def refeed_detokenizer(self) -> None:
+        """A restarted detokenizer knows nothing: reopen every live request and send all of its
+        output so far (clients drop what they already have, by offset)."""
+        for rid, owner in self.owners.items():
+            state = self.scheduler.requests.get(rid)
+            if state is None:
+                continue
+            prompt = state.seqs[0].prompt_token_ids if state.seqs else []
+            self.send_to_detok(messages.DetokOpen(request_id=rid, client_id=owner.client_id,
+                                                  prompt_token_ids=prompt, sampling=owner.sampling))
+            samples = []
+            for seq in state.seqs:
+                owner.sent[seq.index] = seq.num_output_tokens
+                samples.append(messages.SampleTokens(
+                    request_id=rid, index=seq.index, token_ids=seq.output_token_ids, offset=0,
+                    finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens))
+            if samples:
+                self.send_to_detok(messages.TokenBatch(-1, samples))
+
+    def fail_all(self, status: int, message: str) -> None:
+        """Tell every client its requests cannot complete, and drop them."""
+        for rid, owner in list(self.owners.items()):
+            try:
+                self.send_to_client(owner.client_id, messages.RequestFailed(rid, status, message))
+            except Exception:  # noqa: BLE001 - the client may be gone too
+                pass
+            self.scheduler.abort(rid)
+        self.owners.clear()
 
     # -- steps ---------------------------------------------------------------------------------
     def on_step_result(self, plan: messages.StepPlan, result: messages.StepResult) -> None:
@@ -118,8 +180,11 @@ class SchedulerService:
             if out.finish_reason == "stop" and out.new_token_ids and \
                     out.new_token_ids[-1] in owner.sampling.stop_token_ids:
                 stop_reason = out.new_token_ids[-1]
+            offset = owner.sent[out.index]
+            owner.sent[out.index] += len(out.new_token_ids)
             samples.append(messages.SampleTokens(
                 request_id=out.request_id, index=out.index, token_ids=out.new_token_ids,
+                offset=offset,
                 logprobs=out.logprobs, top_logprobs=out.top_logprobs,
                 finish_reason=out.finish_reason, stop_reason=stop_reason,
                 num_prompt_tokens=owner.num_prompt_tokens))

@@ -55,6 +55,12 @@ class WorkerCore:
         self.seqs: dict[int, SeqState] = {}
         self._sample_index: dict[int, int] = {}   # fork children: their index among the samples
 
+    def reset(self) -> None:
+        """Forget every sequence (a new scheduler epoch); the KV cache's bytes are simply
+        overwritten by whatever the next plans compute."""
+        self.seqs.clear()
+        self._sample_index.clear()
+
     def execute(self, plan: StepPlan) -> StepResult | None:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)

@@ -13,6 +13,7 @@ import zmq
 
 from pipeline import ipc, messages
 from pipeline.config import EngineConfig
+from pipeline.faults import FaultInjector
 from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -82,19 +83,30 @@ def main() -> int:
                             identity=f"worker{rank}".encode())
     control = ipc.make_socket(ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
     step_id = -1
+    faults = FaultInjector.from_env(f"worker{rank}")
+    applied_token = None
     try:
         core, num_blocks, num_cpu_blocks = build_core(cfg, rank)
+        # Unsolicited: the scheduler answers with Reset(token) to make us part of its epoch.
         ipc.send(sched, messages.WorkerReady(rank, os.getpid(), num_blocks, num_cpu_blocks))
         ipc.send(control, messages.ProcessReady("worker", rank, os.getpid(),
                                                 f"{num_blocks} KV blocks"))
         log.info("ready: %d device blocks, %d host blocks", num_blocks, num_cpu_blocks)
+        faults.started()
         while True:
             msg = ipc.recv(sched)
             if isinstance(msg, messages.StepPlan):
                 step_id = msg.step_id
+                faults.on_message(step=step_id)
                 result = core.execute(msg)
                 if result is not None:
                     ipc.send(sched, result)
+            elif isinstance(msg, messages.Reset):
+                if msg.token != applied_token:  # resent until answered: apply once
+                    core.reset()
+                    applied_token = msg.token
+                ipc.send(sched, messages.WorkerReady(rank, os.getpid(), num_blocks,
+                                                     num_cpu_blocks, msg.token))
             elif isinstance(msg, messages.Shutdown):
                 log.info("stop (%s)", msg.reason or "shutdown")
                 return 0

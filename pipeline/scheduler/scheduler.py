@@ -153,6 +153,11 @@ class Scheduler:
                              f"got {reason!r}")
         return self._finish_request(request_id, STATUS_FOR_REASON[reason], index)
 
+    def reset_device_state(self) -> int:
+        """The workers lost their KV cache: recompute every live sequence (see recovery.py)."""
+        from pipeline.scheduler.recovery import requeue_for_recompute
+        return requeue_for_recompute(self)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
