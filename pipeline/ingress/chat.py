@@ -9,13 +9,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pipeline.ingress.context import IngressContext, Ticket
+from pipeline.ingress.context import IngressContext
 from pipeline.ingress.errors import invalid
-from pipeline.ingress.generation import (EngineRequest, first_item, new_request_id, prepend,
-                                         stream_requests, until_disconnect, usage)
+from pipeline.ingress.generation import (EngineRequest, collect_until_done, new_request_id,
+                                         prepend, sse_response, stream_requests, usage)
 from pipeline.ingress.logprobs import chat_logprobs
 from pipeline.ingress.protocol import ChatCompletionRequest
-from pipeline.ingress.streaming import DONE, EngineStreamResponse, sse, with_error_event
+from pipeline.ingress.streaming import DONE, sse
 from pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
                                          resolve_max_tokens, validated_params)
 from pipeline.outputs import CompletionOutput, RequestOutput
@@ -72,24 +72,8 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
     stream = stream_requests(ctx, [engine_request], arrival=arrival, priority=req.priority or 0,
                              cache_salt=req.cache_salt)
     if req.stream:
-        first = await until_disconnect(request, first_item(stream, ticket))
-        if first is None:
-            return Response(status_code=499)  # gone before the first token; aborted
-        body = view.sse(first, stream)
-        wrapped = with_error_event(body)
-
-        async def on_close() -> None:
-            await wrapped.aclose()
-            await body.aclose()
-            await stream.aclose()
-            ticket.release()
-
-        return EngineStreamResponse(wrapped, on_close)
-    try:
-        output = await until_disconnect(request, view.collect(stream))
-    finally:
-        ticket.release()
-        await stream.aclose()
+        return await sse_response(request, stream, ticket, view.sse)
+    output = await collect_until_done(request, stream, ticket, view.collect)
     if output is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse(view.response(output))

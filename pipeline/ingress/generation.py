@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pipeline.ingress.context import IngressContext, Ticket
 from pipeline.ingress.errors import APIError, from_engine_error
+from pipeline.ingress.streaming import EngineStreamResponse, with_error_event
 from pipeline.outputs import RequestError
 from pipeline.sampling_params import SamplingParams
 
@@ -141,3 +143,33 @@ async def first_item(stream: AsyncIterator[T], ticket: Ticket) -> T:
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+async def sse_response(request: Request, stream: AsyncIterator, ticket: Ticket,
+                       render: Callable[[Any, AsyncIterator], AsyncIterator[bytes]]) -> Response:
+    """Prime `stream`, then stream `render(first, stream)` as SSE; when the response ends in any
+    way, close every layer (aborting unfinished engine requests) and release the ticket."""
+    first = await until_disconnect(request, first_item(stream, ticket))
+    if first is None:
+        return Response(status_code=499)  # gone before the first token; already aborted
+    body = render(first, stream)
+    wrapped = with_error_event(body)
+
+    async def on_close() -> None:
+        await wrapped.aclose()
+        await body.aclose()
+        await stream.aclose()
+        ticket.release()
+
+    return EngineStreamResponse(wrapped, on_close)
+
+
+async def collect_until_done(request: Request, stream: AsyncIterator, ticket: Ticket,
+                             collect: Callable[[AsyncIterator], Awaitable[T]]) -> T | None:
+    """`await collect(stream)` for a non-streaming response; None when the client left first
+    (its engine requests are aborted by then). Releases the ticket either way."""
+    try:
+        return await until_disconnect(request, collect(stream))
+    finally:
+        ticket.release()
+        await stream.aclose()
