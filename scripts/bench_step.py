@@ -1,0 +1,146 @@
+"""Decode step time of our model runner vs. the bf16 matmul roofline and transformers' forward.
+
+For batch sizes 1, 16, 64, 256 at a context of 512 tokens (bf16, CPU by default): every sequence
+owns its own blocks (no sharing, so attention really reads B x 512 tokens of K/V), the cache is
+filled with random K/V (attention cost does not depend on the values), and each timed step
+recomputes the token at position context-1 (same work every step). A step is the runner's whole
+`execute`: tensor preparation, forward, logits of every row (sampling excluded).
+
+Roofline: bf16 matmuls of the model's own linear shapes at M = 256 tokens give FLOP/s, and
+tokens/s at that rate = FLOP/s / (2 x matmul parameters). The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
+from workers.model_runner import ModelRunner, SeqStep  # noqa: E402
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def linear_shapes(config) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every matmul in one forward, the LM head included."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    layers = config.num_hidden_layers
+    return [(h, qkv, layers), (config.num_attention_heads * d, h, layers), (h, 2 * inter, layers),
+            (inter, h, layers), (h, config.vocab_size, 1)]
+
+
+def matmul_roofline(config, tokens: int, dtype: torch.dtype) -> tuple[float, int]:
+    """(FLOP/s of the model's matmul shapes at `tokens` rows, matmul parameter count)."""
+    shapes = linear_shapes(config)
+    params = sum(i * o * c for i, o, c in shapes)
+    x = {i: torch.randn(tokens, i, dtype=dtype) for i, _, _ in shapes}
+    w = {(i, o): torch.randn(o, i, dtype=dtype) for i, o, _ in shapes}
+
+    def one_forward_of_matmuls():
+        for i, o, count in shapes:
+            for _ in range(count):
+                torch.nn.functional.linear(x[i], w[(i, o)])
+
+    seconds = timed(one_forward_of_matmuls, repeats=5)
+    return 2 * tokens * params / seconds, params
+
+
+def bench_runner(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
+    blocks_per_seq = -(-context // runner.block_size)
+    items = [SeqStep([(17 * b) % runner.config.vocab_size], context - 1,
+                     list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), True)
+             for b in range(batch)]
+    return timed(lambda: runner.execute(items), repeats)
+
+
+def bench_hf(model_dir: Path | None, config, context: int, dtype: torch.dtype, repeats: int) -> float:
+    """transformers' forward of one token at batch 1 over a `context - 1` token cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    if model_dir is None:
+        from transformers import AutoConfig
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL), dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    hf.eval()
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prompt = torch.randint(0, config.vocab_size, (1, context - 1))
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=prompt, past_key_values=cache, use_cache=True)
+        token = torch.tensor([[42]])
+
+        # The cache grows by one token per call (511 -> ~533): negligible next to 512, and
+        # cropping it back would add work to transformers' side of the comparison.
+        return timed(lambda: hf(input_ids=token, past_key_values=cache, use_cache=True), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="skip loading: random weights of the model's real shapes")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+
+    model_dir = resolve_model(args.model)
+    config = load_config(model_dir)
+    blocks_per_seq = -(-args.context // args.block_size)
+    runner = ModelRunner(config, None if args.random_weights else model_dir, dtype, "cpu",
+                         args.block_size, max(batches) * blocks_per_seq)
+    runner.kv_cache.normal_()
+
+    flops, params = matmul_roofline(config, max(batches), dtype)
+    roofline = flops / (2 * params)
+    print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s over {params / 1e6:.1f}M matmul "
+          f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
+    report = {"model": args.model, "dtype": args.dtype, "context": args.context,
+              "threads": torch.get_num_threads(), "matmul_gflops": round(flops / 1e9, 1),
+              "roofline_tok_s": round(roofline, 1)}
+    for batch in batches:
+        seconds = bench_runner(runner, batch, args.context, repeats=max(3, int(40 / batch ** 0.5)))
+        report[f"step_ms_b{batch}"] = round(seconds * 1e3, 2)
+        report[f"decode_tok_s_b{batch}"] = round(batch / seconds, 1)
+        print(f"batch {batch:4d}: step {seconds * 1e3:8.2f} ms  {batch / seconds:8.1f} tok/s  "
+              f"({100 * batch / seconds / roofline:5.1f}% of roofline)")
+    hf_seconds = bench_hf(None if args.random_weights else model_dir, config, args.context,
+                          dtype, repeats=20)
+    report["hf_step_ms_b1"] = round(hf_seconds * 1e3, 2)
+    report["hf_tok_s_b1"] = round(1 / hf_seconds, 1)
+    print(f"transformers batch 1: step {hf_seconds * 1e3:.2f} ms  {1 / hf_seconds:.1f} tok/s")
+    if 1 in batches:
+        report["b1_step_vs_hf"] = round(report["step_ms_b1"] / report["hf_step_ms_b1"], 2)
+    if 256 in batches:
+        report["b256_of_roofline"] = round(report["decode_tok_s_b256"] / roofline, 3)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
