@@ -164,3 +164,31 @@ def test_rope_frequencies_match_transformers(scaling):
 def test_unsupported_rope_scaling_is_refused():
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def smollm2_shapes():
+    from workers.loader import ModelConfig
+
+    return ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
+                       intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True,
+                       bos_token_id=1, eos_token_ids=(2,))
+
+
+def test_kv_cache_sizing_and_per_rank_layout():
+    from workers.kv_cache import (allocate_kv_cache, allocate_swap_pool, block_bytes,
+                                  device_budget_bytes, num_blocks_for_bytes)
+
+    config = smollm2_shapes()
+    assert block_bytes(config, 16, torch.bfloat16) == 30 * 2 * 16 * 3 * 64 * 2 == 368_640
+    assert block_bytes(config, 16, torch.bfloat16, tp_size=2) == 245_760    # rank 0: 2 kv heads
+    assert num_blocks_for_bytes(config, 16, torch.bfloat16, 368_640 * 10 + 5) == 10
+    assert device_budget_bytes("cpu", kv_cache_memory=1 << 20) == 1 << 20
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        device_budget_bytes("cpu")
+    ranks = [allocate_kv_cache(config, 3, 16, torch.bfloat16, "cpu", 2, r) for r in range(2)]
+    assert [tuple(kv.shape) for kv in ranks] == [(30, 2, 3, 16, 2, 64), (30, 2, 3, 16, 1, 64)]
+    assert tuple(allocate_swap_pool(ranks[1], 5).shape) == (30, 2, 5, 16, 1, 64)
+    with pytest.raises(ValueError, match="at least one block"):
+        allocate_kv_cache(config, 0, 16, torch.bfloat16, "cpu")
