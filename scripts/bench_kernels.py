@@ -1,11 +1,18 @@
-"""Time the CPU (torch reference) kernels at SmolLM2 shapes; last line is one JSON object.
+"""Time the CPU (torch) kernels at SmolLM2 shapes; last line is one JSON object.
 
     .venv/bin/python scripts/bench_kernels.py [--batch 256] [--context 512] [--repeats 10]
+
+Decode is timed twice: decode_ref_* is paged_decode_attention_ref (the plain reference), decode_*
+is paged_decode_attention_cpu (the CPU serving path), both on equal-length and on ragged
+(uniform 1..context) batches. Times are medians; *_cpu_ms is the process CPU time, steadier than
+wall time on a shared box (divide by the thread count for a wall-time equivalent).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -14,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels.cpu_decode_attention import paged_decode_attention_cpu  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
 from kernels.paged_prefill_attention import paged_prefill_attention_ref  # noqa: E402
 from kernels.store_kv import store_kv_ref  # noqa: E402
@@ -29,6 +37,18 @@ def best_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
+
+
+def median_ms(fn, repeats: int) -> tuple[float, float]:
+    """(median wall ms, median process-CPU ms)."""
+    fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
 def main() -> None:
@@ -50,12 +70,23 @@ def main() -> None:
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM ** -0.5
     results = {"threads": torch.get_num_threads(), "batch": batch, "context": context,
-               "dtype": "bfloat16"}
+               "dtype": "bfloat16", "loadavg_1m": float(os.getloadavg()[0])}
 
-    results["decode_ms"] = best_ms(lambda: paged_decode_attention_ref(
-        q, k_cache, v_cache, tables, context_lens, scale), args.repeats)
+    ragged_lens = torch.randint(1, context + 1, (batch,), generator=gen, dtype=torch.int32)
+    for label, lens in (("", context_lens), ("_ragged", ragged_lens)):
+        # Interleave old and new so both see the same machine load.
+        for name, fn in (("decode_ref", paged_decode_attention_ref),
+                         ("decode", paged_decode_attention_cpu),
+                         ("decode_ref", paged_decode_attention_ref),
+                         ("decode", paged_decode_attention_cpu)):
+            wall, cpu = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, scale),
+                                  args.repeats)
+            for key, value in ((f"{name}{label}_ms", wall), (f"{name}{label}_cpu_ms", cpu)):
+                results[key] = min(results.get(key, value), value)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
     results["decode_kv_gb_s"] = kv_bytes / results["decode_ms"] / 1e6
+    results["decode_speedup"] = results["decode_ref_ms"] / results["decode_ms"]
+    results["decode_ragged_speedup"] = results["decode_ref_ragged_ms"] / results["decode_ragged_ms"]
 
     def decode_sdpa_fresh_gather():   # the reference without its reused scratch buffers
         ids = tables.reshape(-1).long()
