@@ -178,4 +178,8 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] (any row stride) into a new contiguous tensor."""
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out1, out2 = out.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+        return out

@@ -71,8 +71,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # The sublayer outputs are fresh tensors, so the residual adds go into them in place.
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache,
+                                meta).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
