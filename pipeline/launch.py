@@ -329,7 +329,15 @@ def resolve_model_once(config: EngineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    parser.add_argument("--die-with-parent", action="store_true",
+                        help="drain and exit when the process that started us dies "
+                             "(the offline API and tests use it)")
+    ns = parser.parse_args(argv)
+    if ns.die_with_parent:
+        from pipeline.procutil import die_with_parent
+        die_with_parent(signal.SIGTERM)
+    del ns.die_with_parent
     try:
         config = config_from_args(ns)
         from pipeline.faults import ENV, parse

@@ -83,7 +83,7 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
             "--max-restarts", str(config.supervisor.max_restarts),
             "--restart-window", str(config.supervisor.restart_window),
             "--heartbeat-timeout", str(config.supervisor.heartbeat_timeout),
-            "--ipc-dir", config.ipc.ipc_dir, "--no-http"]
+            "--ipc-dir", config.ipc.ipc_dir, "--no-http", "--die-with-parent"]
     if m.served_model_name:
         argv += ["--served-model-name", m.served_model_name]
     if m.max_model_len:

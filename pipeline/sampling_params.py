@@ -36,6 +36,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of an n > 1 request (sample 0 is the request's own).
+
+        A seeded row's randomness depends on (seed, length) only, so the samples must not share
+        a seed or they would draw the same tokens: each gets one derived from it, which keeps the
+        whole request reproducible (and lets a recomputed sample continue exactly).
+        """
+        if self.seed is None or index == 0:
+            return self
+        mixed = (self.seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+        return msgspec.structs.replace(self, seed=mixed - (1 << 64) if mixed >= 1 << 63 else mixed)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1

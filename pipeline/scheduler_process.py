@@ -114,6 +114,8 @@ class SchedulerProcess:
             self.ready_ranks.pop(msg.rank, None)
             self._send_resets()
             return
+        if msg.rank in self.ready_ranks:
+            return  # an answer to a resent Reset
         self.ready_ranks[msg.rank] = msg
         if self.workers_ready and self.service is not None:
             self.service.roles_down.pop("worker", None)

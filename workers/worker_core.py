@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 import kernels
@@ -18,20 +17,11 @@ from workers.kv_cache import allocate_swap_pool
 from workers.model_runner import ModelRunner, SeqStep
 from workers.sampler import Sampler
 
-_INT64 = 1 << 64
 
 
 def child_sampling(params: SamplingParams, sample_index: int) -> SamplingParams:
-    """Params of the `sample_index`-th sample of an n > 1 request (the parent is sample 0).
-
-    A seeded row's randomness depends on (seed, length) only, so children must not share the
-    parent's seed or they would draw the same tokens; each gets a seed derived from it, which
-    keeps the whole request reproducible.
-    """
-    if params.seed is None or sample_index == 0:
-        return params
-    mixed = (params.seed + sample_index * 0x9E3779B97F4A7C15) % _INT64
-    return msgspec.structs.replace(params, seed=mixed - _INT64 if mixed >= 1 << 63 else mixed)
+    """Params of the `sample_index`-th sample of an n > 1 request (see SamplingParams.for_sample)."""
+    return params.for_sample(sample_index)
 
 
 @dataclass(slots=True)
@@ -53,18 +43,15 @@ class WorkerCore:
         self.runner, self.sampler = runner, sampler
         self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks)
         self.seqs: dict[int, SeqState] = {}
-        self._sample_index: dict[int, int] = {}   # fork children: their index among the samples
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler epoch); the KV cache's bytes are simply
         overwritten by whatever the next plans compute."""
         self.seqs.clear()
-        self._sample_index.clear()
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-            self._sample_index.pop(seq_id, None)
         for new in plan.new_seqs:
             self._register(new)
         self._move_blocks(plan)
@@ -81,7 +68,7 @@ class WorkerCore:
             for index, child_id in enumerate(fork.child_ids, start=1):
                 child = parent.clone()
                 child.sampling = child_sampling(parent.sampling, index)
-                self.seqs[child_id], self._sample_index[child_id] = child, index
+                self.seqs[child_id] = child
                 if fork.parent_id in rows:
                     row_ids.append(child_id)
                     rows[child_id] = rows[fork.parent_id]
@@ -90,9 +77,7 @@ class WorkerCore:
         return self._sample(plan.step_id, logits, row_ids, [rows[s] for s in row_ids])
 
     def _register(self, new: NewSeq) -> None:
-        sampling = new.sampling
-        if new.seq_id in self._sample_index:    # a fork child re-sent (swap-in, recompute, ...)
-            sampling = child_sampling(sampling, self._sample_index[new.seq_id])
+        sampling = new.sampling  # per sample: the scheduler sends a child its derived params
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
             sampling, list(new.block_ids), new.num_computed_tokens)

@@ -442,7 +442,8 @@ class Scheduler:
         if seq.needs_full_send:
             block_ids = self.kv.block_table(sid)
             npr = seq.num_prompt_tokens
-            b.new_seqs.append(NewSeq(sid, tokens[:npr], tokens[npr:], seq.request.sampling,
+            b.new_seqs.append(NewSeq(sid, tokens[:npr], tokens[npr:],
+                                     seq.request.sampling.for_sample(seq.index),
                                      block_ids, seq.num_computed_tokens))
             seq.needs_full_send = False
             seq.num_blocks_sent = len(block_ids)

@@ -128,8 +128,11 @@ def test_fork_children_sample_the_parent_row_with_their_own_seeds(tiny_dir):
     child = core.seqs[9]
     assert (child.token_ids, child.block_ids, child.num_computed_tokens) == (prompt, [9, 4], 20)
     assert child.block_ids is not core.seqs[7].block_ids
-    # Re-sent as NewSeq (e.g. after swap-in) a child keeps its derived seed.
-    core.execute(empty_plan(2, new_seqs=[NewSeq(9, prompt, [result.token_ids[2]], params, [9, 4], 20)]))
+    # Re-sent as NewSeq (swap-in, recompute, a new worker after a restart) a child comes with
+    # its derived params from the scheduler, and keeps them.
+    core.reset()
+    core.execute(empty_plan(2, new_seqs=[NewSeq(9, prompt, [result.token_ids[2]],
+                                                 child_sampling(params, 2), [9, 4], 20)]))
     assert core.seqs[9].sampling.seed == child_sampling(params, 2).seed
 
 

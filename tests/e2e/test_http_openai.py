@@ -1,0 +1,131 @@
+"""The official openai SDK against a launched group (ingress + scheduler + worker + detokenizer)."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.faults.conftest import Group
+from workers.testing import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    group = Group(model_dir, http=True, extra=("--api-key", "sekret"))
+    base = f"http://127.0.0.1:{group.port}"
+    sdk = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0, timeout=300)
+    model = sdk.models.list().data[0].id
+    yield group, base, sdk, model
+    assert group.close() == 0
+    assert group.leftovers() == []
+
+
+def test_completion_greedy_equals_transformers(server, model_dir, tokenizer):
+    _, _, sdk, model = server
+    prompt = "The three primary colors are"
+    expected = hf_greedy(model_dir, [tokenizer.encode(prompt)], max_new_tokens=16)[0]
+    r = sdk.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
+def test_streaming_chat_with_usage_in_last_chunk(server):
+    _, _, sdk, model = server
+    stream = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert any(c.choices and c.choices[0].finish_reason in ("stop", "length") for c in chunks)
+
+
+def test_n2_logprobs_seed_and_stop(server):
+    _, _, sdk, model = server
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=1234)
+    a = sdk.completions.create(n=2, logprobs=3, **kw)
+    b = sdk.completions.create(n=2, logprobs=3, **kw)
+    assert len(a.choices) == 2 and [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seed reproducibility
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 12
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    full = sdk.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0)
+    stop = full.choices[0].text[4:7]
+    cut = sdk.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=20,
+                                 temperature=0, stop=[stop])
+    assert cut.choices[0].text == full.choices[0].text[: full.choices[0].text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors_then_good_ones_work(server):
+    group, base, sdk, model = server
+    cases = [
+        ({"model": model, "prompt": "hi", "max_tokens": 0}, 400),
+        ({"model": model, "prompt": "hi", "temperature": 3}, 400),
+        ({"model": "nope", "prompt": "hi"}, 404),
+        ({"model": model, "prompt": [99999999]}, 400),
+        ({"model": model, "prompt": "hi", "max_tokens": 10**9}, 400),
+        ({"model": model}, 400),
+    ]
+    headers = {"Authorization": "Bearer sekret"}
+    for body, status in cases:
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+        ok = httpx.post(f"{base}/v1/completions", headers=headers, timeout=120,
+                        json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    assert httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x"},
+                      timeout=30).status_code == 401
+
+
+def test_metrics_parse_and_move(server):
+    _, base, sdk, model = server
+
+    def scrape() -> dict:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = scrape()
+    sdk.completions.create(model=model, prompt="Hello there", max_tokens=5, temperature=0)
+    after = scrape()
+    for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert after[name] > before.get(name, 0), name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert name in after
+
+
+def test_50_streaming_clients_disconnect_and_blocks_return_to_zero(server):
+    group, base, _, model = server
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        body = {"model": model, "prompt": f"Tell a very long story number {i}", "max_tokens": 1000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300,
+                          headers={"Authorization": "Bearer sekret"}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 1:
+                    started.release()
+                    return  # leaving the block closes the connection mid-stream
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for _ in threads:
+        assert started.acquire(timeout=1)
+    assert group.blocks_in_use() == 0
+    assert group.client.stats()["num_unfinished_requests"] == 0

@@ -1,0 +1,125 @@
+"""Real process groups with faults: launched through `python -m pipeline.launch`, driven with
+the ZMQ client library, asserted on what clients see."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from pipeline import SamplingParams
+from pipeline.client import EngineClient
+from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+TOPICS = ["the sea", "mountains", "a robot", "bread", "the moon", "rivers", "chess", "winter",
+          "a library", "trains", "coffee", "bees", "volcanoes", "music", "a garden", "clocks"]
+PROMPTS = [f"Write one sentence about {t}." if i % 2 == 0 else f"Q: What do you know about {t}?\nA:"
+           for i, t in enumerate(TOPICS * 2)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(model_dir):
+    tok = load_tokenizer(model_dir)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """One launched group, a ZMQ client on it, and handles on its role processes."""
+
+    def __init__(self, model_dir, *, tp: int = 1, fault: str = "", http: bool = False,
+                 extra: tuple[str, ...] = ()):
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.port = free_port() if http else None
+        cmd = [sys.executable, "-m", "pipeline.launch", "--model", str(model_dir),
+               "--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05",
+               "--tensor-parallel-size", str(tp), "--ipc-dir", self.ipc_dir,
+               "--step-timeout", "20", "--heartbeat-timeout", "8", "--die-with-parent", *extra]
+        cmd += ["--port", str(self.port)] if http else ["--no-http"]
+        env = dict(os.environ, PAGEDSERVE_FAULT=fault)
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.frontend = f"ipc://{self.ipc_dir}/frontend.sock"
+        self.output = f"ipc://{self.ipc_dir}/output.sock"
+        self.client = EngineClient(self.frontend, self.output, connect_timeout=600)
+        self.wait_healthy(600)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.client.health(timeout=2):
+            assert self.proc.poll() is None, f"group exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, "group not healthy in time"
+            time.sleep(0.2)
+
+    def pid_of(self, name: str) -> int:
+        """pid of a role by the launcher's name: scheduler, worker0, detokenizer, ingress."""
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                if child.environ().get("PAGEDSERVE_ROLE") == name:
+                    return child.pid
+            except psutil.Error:
+                continue
+        raise LookupError(f"no live {name} process")
+
+    def kill(self, name: str) -> int:
+        pid = self.pid_of(name)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def submit_all(self, prompt_ids, params=GREEDY):
+        return [self.client.submit(ids, params) for ids in prompt_ids]
+
+    def wait_tokens(self, at_least: int, timeout: float = 120) -> None:
+        """Until the scheduler has generated `at_least` tokens in total."""
+        deadline = time.monotonic() + timeout
+        while self.client.stats()["generation_tokens"] < at_least:
+            assert time.monotonic() < deadline, "generation did not progress"
+            time.sleep(0.05)
+
+    def blocks_in_use(self) -> int:
+        deadline = time.monotonic() + 10
+        while True:
+            used = self.client.stats()["kv_blocks_used"]
+            if used == 0 or time.monotonic() > deadline:
+                return used
+            time.sleep(0.1)
+
+    def close(self) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+    def leftovers(self) -> list[str]:
+        tag = os.path.basename(self.ipc_dir)
+        found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(tag)]
+        if os.path.exists(self.ipc_dir):
+            found.append(self.ipc_dir)
+        for p in psutil.process_iter(["cmdline"]):
+            if self.ipc_dir in " ".join(p.info["cmdline"] or []):
+                found.append(f"pid {p.pid}")
+        return found
+
+
+def token_ids(futures, timeout: float = 300) -> list[list[int]]:
+    return [f.result(timeout).outputs[0].token_ids for f in futures]

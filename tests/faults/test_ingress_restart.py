@@ -1,0 +1,59 @@
+"""Killing the HTTP ingress drops only its own connections; the scheduler frees their blocks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.faults.conftest import Group
+
+pytestmark = pytest.mark.slow
+
+
+def test_ingress_kill_drops_its_clients_frees_blocks_and_restarts(model_dir):
+    group = Group(model_dir, http=True)
+    base = f"http://127.0.0.1:{group.port}"
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    errors, started = [], threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        body = {"model": model, "prompt": f"Count slowly to one hundred, number {i}:",
+                "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+                for n, _line in enumerate(r.iter_lines()):
+                    if n == 2:
+                        started.release()
+            errors.append(None)
+        except httpx.HTTPError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=300)
+        assert group.client.stats()["kv_blocks_used"] > 0
+        group.kill("ingress")
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 8 and all(e is not None for e in errors)
+        assert group.blocks_in_use() == 0  # the scheduler noticed the silent client
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "ingress did not come back"
+            time.sleep(0.5)
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": model, "prompt": "Hello", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        assert group.close() == 0
+    assert group.leftovers() == []

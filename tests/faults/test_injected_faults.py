@@ -1,0 +1,78 @@
+"""Faults injected with PAGEDSERVE_FAULT: hangs and exceptions in workers and the scheduler,
+a crash loop, a slow detokenizer."""
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from pipeline.outputs import RequestError
+from tests.faults.conftest import Group, token_ids
+
+pytestmark = pytest.mark.slow
+
+
+def run_reference_then_faulted(group, prompt_ids):
+    """The first batch runs before the fault's step; the second is hit by it mid-stream."""
+    reference = token_ids(group.submit_all(prompt_ids))
+    faulted = token_ids(group.submit_all(prompt_ids))
+    return reference, faulted
+
+
+@pytest.mark.parametrize("fault", [
+    # a worker raising, then (after recovery) the scheduler hanging
+    "worker0:raise@step=30;scheduler:hang@step=75",
+    # a worker hanging (caught by --step-timeout), then the scheduler raising
+    "worker0:hang@step=30;scheduler:raise@step=75",
+])
+def test_hang_and_raise_lose_nothing(model_dir, prompt_ids, fault):
+    group = Group(model_dir, fault=fault)
+    try:
+        reference, after_worker_fault = run_reference_then_faulted(group, prompt_ids)
+        assert after_worker_fault == reference
+        group.wait_healthy(120)
+        assert group.blocks_in_use() == 0
+        # the third batch meets the scheduler fault; the clients resubmit to its successor
+        assert token_ids(group.submit_all(prompt_ids)) == reference
+        group.wait_healthy(120)
+        assert group.blocks_in_use() == 0
+    finally:
+        assert group.close() == 0
+    assert group.leftovers() == []
+
+
+def test_crash_loop_gives_up_with_a_clear_error_and_leaves_nothing(model_dir, prompt_ids):
+    group = Group(model_dir, fault="worker0:crash@step=3!",
+                  extra=("--max-restarts", "1", "--restart-window", "120"))
+    futures = group.submit_all(prompt_ids[:4])
+    errors = []
+    for f in futures:
+        with pytest.raises(RequestError) as info:
+            f.result(180)
+        errors.append(info.value)
+    gave_up_at = time.monotonic()
+    assert all(e.status == 503 for e in errors)
+    assert all("worker" in e.message and "crash loop" in e.message for e in errors)
+    assert group.proc.wait(10) != 0
+    assert time.monotonic() - gave_up_at < 10
+    group.client.close()
+    assert group.leftovers() == []
+
+
+def test_slow_detokenizer_completes_in_order_with_bounded_memory(model_dir, prompt_ids):
+    group = Group(model_dir)
+    try:
+        reference = [f.result(300).outputs[0] for f in group.submit_all(prompt_ids)]
+    finally:
+        group.close()
+    slow = Group(model_dir, fault="detokenizer:slow=50")
+    try:
+        detok = psutil.Process(slow.pid_of("detokenizer"))
+        rss_before = detok.memory_info().rss
+        outs = [f.result(600).outputs[0] for f in slow.submit_all(prompt_ids)]
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        assert [o.text for o in outs] == [r.text for r in reference]
+        assert detok.memory_info().rss - rss_before < 64 * 2**20
+    finally:
+        assert slow.close() == 0
