@@ -1,0 +1,32 @@
+"""scripts/bench_throughput.py runs end to end on a few short requests (engine + transformers)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
+spec = importlib.util.spec_from_file_location("bench_throughput", _PATH)
+bench = importlib.util.module_from_spec(spec)
+sys.modules["bench_throughput"] = bench  # dataclasses look their module up while building
+spec.loader.exec_module(bench)
+
+KEYS = {"output_tok_s", "hf_static_output_tok_s", "ratio_vs_hf", "roofline_tok_s",
+        "frac_of_roofline", "num_prompts"}
+
+
+@pytest.mark.slow
+def test_bench_throughput_last_line_is_the_json_report(capsys):
+    report = bench.main(["--num-prompts", "4", "--hf-num-prompts", "2", "--max-prompt-len", "128",
+                         "--max-total-len", "192", "--kv-cache-memory", "128MiB",
+                         "--max-num-seqs", "8", "--roofline-tokens", "32"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    parsed = json.loads(last)
+    assert KEYS <= parsed.keys()
+    assert parsed == report
+    assert parsed["num_prompts"] == 4 and parsed["hf_num_prompts"] == 2
+    assert parsed["hf_extrapolated"] is True
+    assert parsed["output_tok_s"] > 0 and parsed["hf_static_output_tok_s"] > 0
+    assert parsed["ratio_vs_hf"] == pytest.approx(
+        parsed["output_tok_s"] / parsed["hf_static_output_tok_s"], rel=0.02)
