@@ -210,7 +210,15 @@ class Supervisor:
                 if not sched.alive:
                     self.exit_code = 0 if sched.proc.returncode == 0 else 1
                     return
-                continue  # other roles stopping during a drain is expected
+                # Roles stop once the scheduler tells them to; one that dies before that while
+                # requests are still draining would leave them hanging: give up on them.
+                for child in self.children:
+                    if child.role in ("worker", "detokenizer") and child.proc is not None \
+                            and child.proc.poll() not in (None, 0):
+                        self._give_up(child.role, f"{child.name} "
+                                      f"{child.last_cause or describe_exit(child.proc.returncode)}"
+                                      " while draining; the requests still in flight fail")
+                continue
             now = time.monotonic()
             for child in self.children:
                 if child.proc is None:
@@ -283,7 +291,7 @@ class Supervisor:
         graceful = self.draining and self.exit_code == 0
         deadline = time.monotonic() + (DRAIN_TIMEOUT_S if graceful else 5)
         for child in self.children:
-            if child.alive and not self.draining:
+            if child.alive and not graceful:
                 child.proc.send_signal(signal.SIGTERM)
         for child in self.children:
             if child.proc is None:

@@ -7,6 +7,7 @@ import time
 import psutil
 import pytest
 
+from pipeline import SamplingParams
 from pipeline.outputs import RequestError
 from tests.faults.conftest import Group, token_ids
 from workers.loader import load_tokenizer
@@ -75,3 +76,20 @@ def test_slow_detokenizer_completes_in_order_with_bounded_memory(model_dir, prom
         assert detok.memory_info().rss - rss_before < 64 * 2**20
     finally:
         assert slow.close() == 0
+
+
+def test_worker_dying_during_a_drain_fails_the_rest_instead_of_hanging(model_dir, prompt_ids):
+    import signal
+    group = Group(model_dir)
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    futures = [group.client.submit(ids, long) for ids in prompt_ids[:4]]
+    group.wait_tokens(4 * 3)
+    group.proc.send_signal(signal.SIGTERM)  # drain: the 4 requests would run for minutes
+    time.sleep(0.5)
+    group.kill("worker0")
+    for f in futures:
+        with pytest.raises(RequestError, match="worker0.*draining"):
+            f.result(60)
+    assert group.proc.wait(30) != 0
+    group.client.close()
+    assert group.leftovers() == []
