@@ -304,6 +304,26 @@ class KVCacheManager:
             self.block_tables.array[seq.row].fill(-1)
             self._free_rows.append(seq.row)
 
+    def drop_device_pool(self, unreliable_cpu_blocks=()) -> list[int]:
+        """The device pool's bytes are lost (the workers restarted); the host pool survives.
+
+        Frees every sequence on the device, and every swapped-out one holding any of
+        `unreliable_cpu_blocks` (copies that a lost step may not have written); both must be
+        recomputed, and their ids are returned. Swapped-out sequences otherwise keep their host
+        blocks. The device pool starts empty: no prefix-cache entries, and no host block claims
+        a device copy any more.
+        """
+        unreliable = set(unreliable_cpu_blocks)
+        dropped = [sid for sid, seq in self._seqs.items()
+                   if not seq.swapped or unreliable.intersection(seq.block_ids)]
+        for sid in dropped:
+            self.free(sid)
+        self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_prefix_caching)
+        for block in self.cpu_pool.blocks:
+            block.swap_copy = None
+        link_pools(self.gpu_pool, self.cpu_pool)
+        return dropped
+
     # ---- swapping --------------------------------------------------------------------------
 
     def _swap_need(self, seq: _SeqBlocks, to_cpu: bool) -> int:

@@ -103,9 +103,11 @@ class SchedulerProcess:
         self.ready_ranks.clear()
         self.inflight = None
         if self.service is not None:
-            n = self.service.scheduler.reset_device_state()
+            scheduler = self.service.scheduler
+            n = scheduler.reset_device_state()
             self.service.roles_down.setdefault("worker", why)
-            log.info("worker group lost (%s): %d sequence(s) will be recomputed", why, n)
+            log.info("worker group lost (%s): %d sequence(s) will be recomputed, %d stay "
+                     "swapped out in the host pool", why, n, scheduler.num_swapped)
         self._send_resets()
 
     def _on_worker_ready(self, msg: messages.WorkerReady) -> None:

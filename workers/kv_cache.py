@@ -5,6 +5,8 @@ head_dim]`, index 0 = K, 1 = V; the host pool has the same layout with its own b
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from workers.loader import ModelConfig
@@ -63,10 +65,56 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def allocate_swap_pool(kv_cache: torch.Tensor, num_cpu_blocks: int) -> torch.Tensor:
+def allocate_swap_pool(kv_cache: torch.Tensor, num_cpu_blocks: int,
+                       shm_name: str | None = None) -> torch.Tensor:
     """The host pool for swapped-out blocks: kv_cache's layout with `num_cpu_blocks` blocks,
-    pinned when the device pool is on CUDA so swaps can be asynchronous copies."""
+    pinned when the device pool is on CUDA so swaps can be asynchronous copies.
+
+    With `shm_name` the pool lives in POSIX shared memory under that name, created on first use
+    and attached again by a restarted worker, so swapped-out sequences survive a worker crash.
+    The segment is not tied to this process's lifetime: the launcher removes it at exit.
+    """
     shape = list(kv_cache.shape)
     shape[2] = num_cpu_blocks
-    pin = kv_cache.is_cuda and num_cpu_blocks > 0
-    return torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin)
+    if shm_name is None or num_cpu_blocks == 0:
+        pin = kv_cache.is_cuda and num_cpu_blocks > 0
+        return torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin)
+    nbytes = kv_cache.element_size()
+    for dim in shape:
+        nbytes *= dim
+    if _shm_free_bytes() < nbytes:  # writing past a full tmpfs would kill us with SIGBUS
+        import logging
+        logging.getLogger(__name__).warning(
+            "/dev/shm has less than the %d bytes of the swap pool free: it stays private, and "
+            "swapped-out sequences are recomputed if this worker restarts", nbytes)
+        return torch.zeros(shape, dtype=kv_cache.dtype, device="cpu")
+    buf = _shared_buffer(shm_name, nbytes)
+    return torch.frombuffer(buf, dtype=kv_cache.dtype, count=nbytes // kv_cache.element_size()
+                            ).view(shape)
+
+
+def _shm_free_bytes() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+_SEGMENTS: list = []  # keep mappings alive for the process's lifetime
+
+
+def _shared_buffer(name: str, nbytes: int) -> memoryview:
+    from multiprocessing import resource_tracker, shared_memory
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    except FileExistsError:
+        shm = shared_memory.SharedMemory(name=name)
+        if shm.size < nbytes:
+            raise ValueError(f"shared swap pool {name!r} has {shm.size} bytes, need {nbytes}: "
+                             "a segment of another configuration is in the way") from None
+    # Python would unlink the segment when this process exits (even by a crash): the pool must
+    # outlive a worker, so ownership goes to the launcher.
+    resource_tracker.unregister(shm._name, "shared_memory")
+    _SEGMENTS.append(shm)
+    return shm.buf

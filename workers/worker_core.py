@@ -38,10 +38,12 @@ class SeqState:
 
 
 class WorkerCore:
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None, num_cpu_blocks: int = 0) -> None:
-        """`sampler` is given on rank 0 only; other ranks compute and return None."""
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None, num_cpu_blocks: int = 0,
+                 swap_shm_name: str | None = None) -> None:
+        """`sampler` is given on rank 0 only; other ranks compute and return None. With
+        `swap_shm_name` the host swap pool is shared memory that survives this process."""
         self.runner, self.sampler = runner, sampler
-        self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks)
+        self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks, swap_shm_name)
         self.seqs: dict[int, SeqState] = {}
 
     def reset(self) -> None:

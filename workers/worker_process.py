@@ -68,7 +68,9 @@ def build_core(cfg: EngineConfig, rank: int):
                          runner_blocks, rank, tp)
     per_block = block_bytes(model_config, cfg.cache.block_size, dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
-    core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks)
+    tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"
+    core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
+                      swap_shm_name=f"{tag}_swap{rank}")
     return core, runner_blocks, num_cpu_blocks
 
 

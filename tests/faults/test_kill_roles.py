@@ -1,6 +1,8 @@
 """SIGKILL each role mid-stream: every request completes exactly as without the fault."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.faults.conftest import Group, token_ids
@@ -28,3 +30,34 @@ def test_sigkill_mid_stream_loses_nothing(tp2_group, prompt_ids, role):
     assert token_ids(futures) == reference
     group.wait_healthy(120)
     assert group.blocks_in_use() == 0
+
+
+def test_swapped_sequences_survive_a_worker_restart(model_dir, prompt_ids):
+    """A small device pool forces swap-outs; killing the worker keeps the host swap pool (it is
+    shared memory) and every request still completes as it did without the fault."""
+    group = Group(model_dir, extra=("--kv-cache-memory", "30MiB", "--preemption-mode", "swap"))
+    try:
+        reference = token_ids(group.submit_all(prompt_ids))
+        assert group.client.stats()["num_preemptions"] > 0
+        futures = group.submit_all(prompt_ids)
+        deadline = time.monotonic() + 300
+        # Kill once a swap-out is done (a later step has completed), not while it is in flight.
+        seen_at = None
+        while True:
+            stats = group.client.stats()
+            assert time.monotonic() < deadline, "nothing stayed swapped out"
+            if stats["num_requests_swapped"] == 0:
+                seen_at = None
+            elif seen_at is None:
+                seen_at = stats["generation_tokens"]
+            elif stats["generation_tokens"] > seen_at:
+                break
+            time.sleep(0.01)
+        group.kill("worker0")
+        assert token_ids(futures) == reference
+        group.wait_healthy(120)
+        assert group.blocks_in_use() == 0
+        assert group.client.stats()["cpu_blocks_used"] == 0
+    finally:
+        assert group.close() == 0
+    assert group.leftovers() == []

@@ -264,3 +264,22 @@ def test_swapped_in_blocks_become_prefix_hits_again():
     m.free(2)
     m.swap_in(1)
     assert m.lookup_prefix(p) == 8
+
+
+def test_drop_device_pool_keeps_reliable_swapped_sequences_only():
+    m = KVCacheManager(10, block_size=4, num_cpu_blocks=10, watermark=0.0)
+    a, b, c = list(range(8)), list(range(20, 28)), list(range(40, 46))
+    m.allocate(1, a, 8)
+    m.allocate(2, b, 8)
+    m.allocate(3, c, 6)
+    m.cache_blocks(1, a, 8)
+    assert m.swap_out(1) == [(0, 0), (1, 1)]
+    assert m.swap_out(2) == [(2, 2), (3, 3)]  # say this swap-out was in the lost step
+    assert m.drop_device_pool(unreliable_cpu_blocks=[2, 3]) == [2, 3]
+    assert m.seq_ids() == [1] and m.is_swapped(1)
+    s = m.stats()
+    assert (s.gpu_blocks_used, s.cpu_blocks_used) == (0, 2)
+    assert m.lookup_prefix(a + [99]) == 0  # the device prefix cache went with the bytes
+    # The host copy has no device copy to reuse any more: everything is copied back.
+    assert m.swap_in(1) == [(0, 0), (1, 1)] and m.block_table(1) == [0, 1]
+    assert m.stats().cpu_blocks_used == 0

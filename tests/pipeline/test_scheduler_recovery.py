@@ -1,0 +1,99 @@
+"""Losing the workers' device KV cache: running sequences are recomputed, sequences swapped out
+by completed steps come back from the surviving host pool, and every request still produces
+exactly the tokens of an undisturbed run."""
+from __future__ import annotations
+
+from pipeline.sampling_params import SamplingParams
+from pipeline.sequence import Request, SequenceStatus
+from tests.pipeline.sched_fakes import expected_tokens, make_scheduler
+
+
+def _requests(n: int, max_tokens: int = 24) -> list[Request]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [Request(f"r{i}", [7 + i, 8, 9, 10 + i, 11, 12, 13], params, arrival_time=float(i))
+            for i in range(n)]
+
+
+def _lose_workers(sched, worker) -> None:
+    """A worker restart: device bytes and worker state gone, host pool kept; the plan in
+    flight is never answered."""
+    sched.schedule(1e6)  # in flight when the workers died
+    sched.reset_device_state()
+    worker.gpu = [[None] * worker.bs for _ in worker.gpu]
+    worker.seqs.clear()
+
+
+def _finish(sched, worker, steps: int = 500) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for t in range(steps):
+        if not sched.has_unfinished():
+            return got
+        plan = sched.schedule(float(t))
+        for out in sched.update(plan, worker.execute(plan), float(t)):
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("not finished")
+
+
+def test_running_sequences_are_recomputed_and_swapped_ones_swap_back_in():
+    sched, worker = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=40, block_size=4,
+                                   preemption_mode="swap", max_num_seqs=8,
+                                   max_num_batched_tokens=64)
+    reqs = _requests(4)
+    for r in reqs:
+        sched.add(r)
+    got: dict[str, list[int]] = {}
+    swapped_step = None
+    for t in range(200):
+        plan = sched.schedule(float(t))
+        for out in sched.update(plan, worker.execute(plan), float(t)):
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if sched.num_swapped:
+            swapped_step = t
+            break
+    assert swapped_step is not None, "the pool was meant to force a swap-out"
+    swapped = [s for s in sched.seqs.values() if s.status is SequenceStatus.SWAPPED]
+    # One more step runs and completes, so its swap-outs are real; then the workers die.
+    plan = sched.schedule(1000.0)
+    for out in sched.update(plan, worker.execute(plan), 1000.0):
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    still_swapped = {s.seq_id for s in swapped if s.status is SequenceStatus.SWAPPED}
+    _lose_workers(sched, worker)
+    survivors = {s.seq_id for s in sched.seqs.values() if s.status is SequenceStatus.SWAPPED}
+    assert survivors and survivors == {s for s in still_swapped if s in sched.seqs}
+    assert sched.kv.stats().gpu_blocks_used == 0
+    first = sched.schedule(2000.0)
+    assert first.swap_in, "the surviving host copies come back by swap-in, not recompute"
+    for out in sched.update(first, worker.execute(first), 2000.0):
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    rest = _finish(sched, worker)
+    for r in reqs:
+        tokens = got.get(r.request_id, []) + rest.get(r.request_id, [])
+        assert tokens == expected_tokens(r.prompt_token_ids, 24, 1000), r.request_id
+    assert sched.kv.stats().gpu_blocks_used == 0 and sched.kv.stats().cpu_blocks_used == 0
+
+
+def test_swap_outs_of_the_lost_step_are_recomputed_not_trusted():
+    sched, worker = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=40, block_size=4,
+                                   preemption_mode="swap", max_num_seqs=8,
+                                   max_num_batched_tokens=64)
+    reqs = _requests(4)
+    for r in reqs:
+        sched.add(r)
+    got: dict[str, list[int]] = {}
+    for t in range(200):
+        plan = sched.schedule(float(t))
+        if plan.swap_out:
+            break  # this plan's swap-outs never reach the workers
+        for out in sched.update(plan, worker.execute(plan), float(t)):
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    else:
+        raise AssertionError("no swap-out happened")
+    sched.reset_device_state()
+    worker.gpu = [[None] * worker.bs for _ in worker.gpu]
+    worker.seqs.clear()
+    assert sched.num_swapped == 0  # nothing it holds on the host can be trusted
+    rest = _finish(sched, worker)
+    for r in reqs:
+        tokens = got.get(r.request_id, []) + rest.get(r.request_id, [])
+        assert tokens == expected_tokens(r.prompt_token_ids, 24, 1000), r.request_id
+    assert sched.kv.stats().gpu_blocks_used == 0 and sched.kv.stats().cpu_blocks_used == 0
