@@ -34,13 +34,19 @@ def _finish(sched, worker, steps: int = 500) -> dict[str, list[int]]:
     raise AssertionError("not finished")
 
 
-def test_running_sequences_are_recomputed_and_swapped_ones_swap_back_in():
+def _tight_pool_with_requests():
+    """Four requests in a device pool too small for all of them: swap preemption follows."""
     sched, worker = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=40, block_size=4,
                                    preemption_mode="swap", max_num_seqs=8,
                                    max_num_batched_tokens=64)
     reqs = _requests(4)
     for r in reqs:
         sched.add(r)
+    return sched, worker, reqs
+
+
+def test_running_sequences_are_recomputed_and_swapped_ones_swap_back_in():
+    sched, worker, reqs = _tight_pool_with_requests()
     got: dict[str, list[int]] = {}
     swapped_step = None
     for t in range(200):
@@ -73,12 +79,7 @@ def test_running_sequences_are_recomputed_and_swapped_ones_swap_back_in():
 
 
 def test_swap_outs_of_the_lost_step_are_recomputed_not_trusted():
-    sched, worker = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=40, block_size=4,
-                                   preemption_mode="swap", max_num_seqs=8,
-                                   max_num_batched_tokens=64)
-    reqs = _requests(4)
-    for r in reqs:
-        sched.add(r)
+    sched, worker, reqs = _tight_pool_with_requests()
     got: dict[str, list[int]] = {}
     for t in range(200):
         plan = sched.schedule(float(t))
