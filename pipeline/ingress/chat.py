@@ -7,12 +7,11 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pipeline.ingress.context import IngressContext
 from pipeline.ingress.errors import invalid
-from pipeline.ingress.generation import (EngineRequest, collect_until_done, new_request_id,
-                                         prepend, sse_response, stream_requests, usage)
+from pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pipeline.ingress.logprobs import chat_logprobs
 from pipeline.ingress.protocol import ChatCompletionRequest
 from pipeline.ingress.streaming import DONE, sse
@@ -69,14 +68,8 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
         raise
     engine_request = EngineRequest(new_request_id("chatcmpl"), ids, params)
     view = _ChatView(ctx, req, engine_request)
-    stream = stream_requests(ctx, [engine_request], arrival=arrival, priority=req.priority or 0,
-                             cache_salt=req.cache_salt)
-    if req.stream:
-        return await sse_response(request, stream, ticket, view.sse)
-    output = await collect_until_done(request, stream, ticket, view.collect)
-    if output is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(view.response(output))
+    return await respond(request, ctx, [engine_request], ticket, view, stream=req.stream,
+                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
 
 
 class _ChatView:

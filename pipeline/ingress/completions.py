@@ -7,11 +7,10 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pipeline.ingress.context import IngressContext
-from pipeline.ingress.generation import (EngineRequest, collect_until_done, new_request_id,
-                                         prepend, sse_response, stream_requests, usage)
+from pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pipeline.ingress.logprobs import CompletionLogprobs
 from pipeline.ingress.protocol import CompletionRequest
 from pipeline.ingress.streaming import DONE, sse
@@ -57,14 +56,8 @@ async def create_completion(ctx: IngressContext, request: Request) -> Response:
         raise
     view = _CompletionView(ctx, req, request_id, engine_requests,
                            prompt_texts if req.echo else [""] * len(prompts))
-    stream = stream_requests(ctx, engine_requests, arrival=arrival, priority=req.priority or 0,
-                             cache_salt=req.cache_salt)
-    if req.stream:
-        return await sse_response(request, stream, ticket, view.sse)
-    outputs = await collect_until_done(request, stream, ticket, view.collect)
-    if outputs is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(view.response(outputs))
+    return await respond(request, ctx, engine_requests, ticket, view, stream=req.stream,
+                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
 
 
 class _CompletionView:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from pipeline.ingress.context import IngressContext, Ticket
 from pipeline.ingress.errors import APIError, from_engine_error
@@ -173,3 +173,18 @@ async def collect_until_done(request: Request, stream: AsyncIterator, ticket: Ti
     finally:
         ticket.release()
         await stream.aclose()
+
+
+async def respond(request: Request, ctx: IngressContext, engine_requests: list[EngineRequest],
+                  ticket: Ticket, view, *, stream: bool, arrival: float, priority: int,
+                  cache_salt: str | None) -> Response:
+    """Run the engine requests and answer with SSE chunks or one JSON body shaped by `view`
+    (an object with `sse`, `collect` and `response`)."""
+    events = stream_requests(ctx, engine_requests, arrival=arrival, priority=priority,
+                             cache_salt=cache_salt)
+    if stream:
+        return await sse_response(request, events, ticket, view.sse)
+    collected = await collect_until_done(request, events, ticket, view.collect)
+    if collected is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(view.response(collected))

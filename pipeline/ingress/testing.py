@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.messages import TextDelta
 from pipeline.outputs import RequestError
 from pipeline.sampling_params import SamplingParams
 
@@ -46,24 +47,6 @@ def make_tiny_tokenizer():
 def _byte_of(ch: str) -> int:
     from pipeline.ingress.tokens import _BYTE_OF_CHAR
     return _BYTE_OF_CHAR[ch]
-
-
-@dataclass(slots=True)
-class FakeDelta:
-    """Same fields as messages.TextDelta."""
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    token_offset: int = 0
-    text_offset: int = 0
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -106,7 +89,7 @@ class FakeEngine:
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[FakeDelta]:
+                       cache_salt: str | None = None) -> AsyncIterator[TextDelta]:
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or uuid.uuid4().hex
@@ -133,7 +116,7 @@ class FakeEngine:
                 self.aborted.append(request_id)
 
     def _step(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
-              step: int, texts: list[str]) -> FakeDelta:
+              step: int, texts: list[str]) -> TextDelta:
         n_out = step + 1
         if self.eos_after is not None and step == self.eos_after and not params.ignore_eos:
             token, text, finish, reason = self.eos_token_id, "", "stop", self.eos_token_id
@@ -156,7 +139,7 @@ class FakeEngine:
             # the chosen token first, then made-up runners-up (byte tokens 200, 201, ...)
             top = [[(token, -0.5)] + [(200 + k, -2.0 - k) for k in range(params.logprobs - 1)]
                    if params.logprobs else []]
-        return FakeDelta(request_id=request_id, index=index, text=text, token_ids=[token],
+        return TextDelta(request_id=request_id, index=index, text=text, token_ids=[token],
                          token_offset=step, text_offset=len(texts[index]) - len(text),
                          logprobs=logprobs, top_logprobs=top, finish_reason=finish,
                          stop_reason=reason, num_prompt_tokens=len(prompt),
