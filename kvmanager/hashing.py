@@ -2,35 +2,50 @@
 
 A full block's hash covers its parent block's hash, its token ids and the extra keys (the cache
 salt), so equal hashes mean equal whole prefixes. sha256 over a fixed little-endian encoding is
-the same in every process and run, unlike Python's salted ``hash()``.
+the same in every process and run, unlike Python's salted ``hash()``:
+
+    sha256(parent hash (b"" for the first block)
+           + (b"N" without a salt | b"S" + u32 len(salt) + salt utf-8)
+           + the token ids as int64 little-endian)
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+from functools import lru_cache
+from hashlib import sha256
 from typing import Sequence
 
 BlockHash = bytes
 
 _ROOT = b""
+_packers: dict[int, struct.Struct] = {}  # token count -> its int64 packer (block_size, mostly)
+
+
+def _packer(num_tokens: int) -> struct.Struct:
+    packer = _packers.get(num_tokens)
+    if packer is None:
+        packer = _packers[num_tokens] = struct.Struct(f"<{num_tokens}q")
+    return packer
+
+
+@lru_cache(maxsize=1024)
+def _salt_key(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b"N"
+    salt = cache_salt.encode("utf-8")
+    return b"S" + struct.pack("<I", len(salt)) + salt
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
                       cache_salt: str | None = None) -> BlockHash:
     """Hash of one full block, chained to its parent's hash (None for the first block)."""
-    h = hashlib.sha256()
-    h.update(parent_hash if parent_hash is not None else _ROOT)
-    if cache_salt is not None:
-        salt = cache_salt.encode("utf-8")
-        h.update(b"S" + struct.pack("<I", len(salt)) + salt)
-    else:
-        h.update(b"N")
     try:
-        h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+        packed = _packer(len(token_ids)).pack(*token_ids)
     except struct.error as exc:
         raise ValueError(f"token ids must be integers in int64 range: {exc}") from None
-    return h.digest()
+    return sha256((parent_hash if parent_hash is not None else _ROOT) + _salt_key(cache_salt)
+                  + packed).digest()
 
 
 def hash_full_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
@@ -43,10 +58,16 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str 
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, start + max_blocks)
+    if num_full <= start:
+        return []
+    pack = _packer(block_size).pack
+    salt = _salt_key(cache_salt)
     hashes = []
-    parent = parent_hash
-    for i in range(start, num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                   cache_salt)
-        hashes.append(parent)
+    parent = parent_hash if parent_hash is not None else _ROOT
+    try:
+        for i in range(start * block_size, num_full * block_size, block_size):
+            parent = sha256(parent + salt + pack(*token_ids[i:i + block_size])).digest()
+            hashes.append(parent)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in int64 range: {exc}") from None
     return hashes

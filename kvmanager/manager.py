@@ -156,17 +156,19 @@ class KVCacheManager:
             raise ValueError(f"seq {seq_id}: num_computed_tokens {num_computed_tokens} exceeds "
                              f"the {len(token_ids)} token ids given")
         bs = self.block_size
-        start = len(seq.block_hashes)
+        hashes = seq.block_hashes
+        start = len(hashes)
         num_full = num_computed_tokens // bs
         if num_full <= start:
             return
-        new_hashes = hash_full_blocks(
-            token_ids, bs, seq.cache_salt, start=start,
-            parent_hash=seq.block_hashes[-1] if start else None, max_blocks=num_full - start)
-        blocks = self.gpu_pool.blocks
+        new_hashes = hash_full_blocks(token_ids, bs, seq.cache_salt, start=start,
+                                      parent_hash=hashes[-1] if start else None,
+                                      max_blocks=num_full - start)
+        pool = self.gpu_pool
+        cache_block, blocks, block_ids = pool.cache_block, pool.blocks, seq.block_ids
         for i, block_hash in enumerate(new_hashes, start):
-            self.gpu_pool.cache_block(blocks[seq.block_ids[i]], block_hash)
-            seq.block_hashes.append(block_hash)
+            cache_block(blocks[block_ids[i]], block_hash)
+            hashes.append(block_hash)
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -265,6 +267,38 @@ class KVCacheManager:
         if seq.row >= 0:
             self.block_tables.array[seq.row, first_new:len(block_ids)] = block_ids[first_new:]
         return copies
+
+    def reserve_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """Grow the sequence to ``num_tokens`` slots in all when that needs no copy-on-write:
+        the decode fast path. Returns the ids of the blocks appended (often none), or None with
+        nothing changed when its partial last block is shared or the device pool is short
+        (``append_slots`` then copies or reports the shortage)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._reject_append(seq_id, seq, 0)
+        n = seq.num_tokens
+        if num_tokens < n:
+            raise ValueError(f"seq {seq_id} already holds {n} slots, cannot shrink to "
+                             f"{num_tokens}")
+        block_ids = seq.block_ids
+        bs = self.block_size
+        num_blocks = len(block_ids)
+        if num_tokens > n and n % bs and self.gpu_pool.blocks[block_ids[-1]].ref_cnt > 1:
+            return None  # writing into a shared partial block: copy-on-write first
+        num_new = -(-num_tokens // bs) - num_blocks
+        if num_new <= 0:
+            seq.num_tokens = num_tokens
+            return []
+        pool = self.gpu_pool
+        if num_new > pool.num_free_blocks:
+            return None
+        self._check_table_width(seq_id, num_blocks + num_new)
+        new_ids = [b.block_id for b in pool.allocate(num_new)]
+        block_ids.extend(new_ids)
+        seq.num_tokens = num_tokens
+        if seq.row >= 0:
+            self.block_tables.array[seq.row, num_blocks:num_blocks + num_new] = new_ids
+        return new_ids
 
     def _reject_append(self, seq_id: int, seq: _SeqBlocks | None, num_new_tokens: int):
         if seq is None:

@@ -120,6 +120,26 @@ def test_append_slots_allocates_only_on_block_boundaries():
     assert m.append_slots(1, 0) == [] and m.num_tokens(1) == 11
 
 
+def test_reserve_slots_returns_new_block_ids_and_defers_copy_on_write():
+    m = KVCacheManager(6, block_size=4, watermark=0.0)
+    m.allocate(1, [1, 2, 3], 3)
+    assert m.reserve_slots(1, 4) == [] and m.num_tokens(1) == 4  # inside its last block
+    assert m.reserve_slots(1, 4) == []  # no growth
+    assert m.reserve_slots(1, 5) == [1] and m.block_table(1) == [0, 1]
+    assert m.reserve_slots(1, 13) == [2, 3] and m.num_tokens(1) == 13
+    with pytest.raises(ValueError, match="cannot shrink"):
+        m.reserve_slots(1, 12)
+    m.fork(1, 2)  # shares the partial block 3
+    assert m.reserve_slots(2, 14) is None  # copy-on-write: append_slots' job
+    assert m.num_tokens(2) == 13 and m.block_table(2) == [0, 1, 2, 3]
+    assert m.reserve_slots(2, 13) == []  # nothing written into the shared block
+    assert m.append_slots(2, 1) == [(3, 4)]
+    assert m.reserve_slots(1, 25) is None  # 3 more blocks, 1 free: nothing changed
+    assert m.num_tokens(1) == 13 and m.block_table(1) == [0, 1, 2, 3] and m.num_free_blocks == 1
+    with pytest.raises(KeyError, match="seq 7 is not allocated"):
+        m.reserve_slots(7, 1)
+
+
 def test_copy_on_write_after_fork():
     m = KVCacheManager(10, block_size=4, watermark=0.0)
     m.allocate(1, list(range(6)), 6)

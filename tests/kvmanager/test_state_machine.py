@@ -134,6 +134,35 @@ class KVManagerMachine(RuleBasedStateMachine):
         seq.filled += k
         self.m.cache_blocks(seq_id, seq.known, seq.filled)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), k=st.integers(0, 6))
+    def reserve(self, data, k):
+        """The decode fast path: growth without copy-on-write, new block ids returned."""
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        seq = self.seqs[seq_id]
+        if self.m.is_swapped(seq_id):
+            with pytest.raises(ValueError, match="swapped out"):
+                self.m.reserve_slots(seq_id, self.m.num_tokens(seq_id) + k)
+            return
+        before = self.snapshot()
+        old_table = self.m.block_table(seq_id)
+        need = self.m.num_blocks_to_append(seq_id, k)
+        new_ids = self.m.reserve_slots(seq_id, self.m.num_tokens(seq_id) + k)
+        if new_ids is None:
+            assert self.snapshot() == before
+            cow = need > -(-(self.m.num_tokens(seq_id) + k) // BS) - len(old_table)
+            assert cow or need > self.m.num_free_blocks
+            event("reserve deferred: copy-on-write" if cow else "reserve failed")
+            return
+        assert self.m.block_table(seq_id) == old_table + new_ids and len(new_ids) == need
+        event("reserve new block" if new_ids else "reserve in place")
+        self._wipe("gpu", new_ids)
+        while len(seq.known) < seq.filled + k:
+            seq.known.append(data.draw(st.integers(0, 9), label="sampled token"))
+        self._write(seq_id, seq.filled, seq.filled + k)
+        seq.filled += k
+        self.m.cache_blocks(seq_id, seq.known, seq.filled)
+
     @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQS)
     @rule(data=st.data())
     def fork(self, data):
