@@ -144,9 +144,11 @@ class KVCacheManager:
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Full blocks among the first ``num_computed_tokens`` become findable by their hash."""
-        if not self.enable_prefix_caching:
-            return
-        seq = self._seq(seq_id)
+        if self.enable_prefix_caching:
+            self._cache(seq_id, self._seq(seq_id), token_ids, num_computed_tokens)
+
+    def _cache(self, seq_id: int, seq: _SeqBlocks, token_ids: Sequence[int],
+               num_computed_tokens: int) -> None:
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is swapped out; cache its blocks before swapping")
         if num_computed_tokens > seq.num_tokens:
@@ -169,6 +171,30 @@ class KVCacheManager:
         for i, block_hash in enumerate(new_hashes, start):
             cache_block(blocks[block_ids[i]], block_hash)
             hashes.append(block_hash)
+
+    def commit_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
+                      num_computed_tokens: int) -> None:
+        """``append_slots`` + ``cache_blocks`` in one call, for the scheduler's update path: the
+        sequence now holds ``num_tokens`` slots, grown inside its own blocks (slots it reserved
+        lazily; RuntimeError if that would take a block or a copy), and the full blocks among
+        its first ``num_computed_tokens`` become findable."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.swapped:
+            self._reject_append(seq_id, seq, 0)
+        n = seq.num_tokens
+        if num_tokens != n:
+            block_ids = seq.block_ids
+            bs = self.block_size
+            if num_tokens < n:
+                raise ValueError(f"seq {seq_id} already holds {n} slots, cannot shrink to "
+                                 f"{num_tokens}")
+            if (num_tokens > len(block_ids) * bs
+                    or n % bs and self.gpu_pool.blocks[block_ids[-1]].ref_cnt > 1):
+                raise RuntimeError(f"seq {seq_id}: growing from {n} to {num_tokens} slots needs "
+                                   f"a block or a copy; the slot bookkeeping is wrong")
+            seq.num_tokens = num_tokens
+        if self.enable_prefix_caching:
+            self._cache(seq_id, seq, token_ids, num_computed_tokens)
 
     # ---- allocation ------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import heapq
 from dataclasses import dataclass
 
 from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
+from pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
 from pipeline.scheduler.admission import RequestRejected, admit_request
 from pipeline.scheduler.config import SchedulerConfig
 from pipeline.scheduler.policy import make_policy
@@ -45,48 +46,6 @@ class SchedulerStats:
     iteration_tokens: int  # tokens computed in the last step
 
 
-class _PlanBuilder:
-    """The lists of one step's plan, plus the token budget left."""
-
-    __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
-                 "forks", "seqs", "fork_children")
-
-    def __init__(self, step_id: int, budget: int) -> None:
-        self.step_id = step_id
-        self.budget = budget
-        self.new_seqs: list[NewSeq] = []
-        self.scheduled: list[ScheduledSeq] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self.copy: list[tuple[int, int]] = []
-        self.forks: list[Fork] = []
-        self.seqs: list[Sequence] = []  # parallel to `scheduled`
-        self.fork_children: list[Sequence] = []
-
-
-class _Rows:
-    """A sequence's row in a StepResult, for rows not in plan order (workers answer in plan
-    order, so `update` finds almost every row with a cursor and never builds this index)."""
-
-    __slots__ = ("result", "index")
-
-    def __init__(self, result: StepResult) -> None:
-        if len(result.token_ids) != len(result.seq_ids):
-            raise ValueError(f"StepResult for step {result.step_id} has {len(result.seq_ids)} "
-                             f"seq_ids but {len(result.token_ids)} token_ids")
-        self.result = result
-        self.index: dict[int, int] | None = None
-
-    def find(self, seq_id: int) -> int:
-        if self.index is None:
-            self.index = {sid: r for r, sid in enumerate(self.result.seq_ids)}
-        row = self.index.get(seq_id)
-        if row is None:
-            raise ValueError(f"StepResult for step {self.result.step_id} has no token for "
-                             f"sequence {seq_id}, which reached the end of its tokens")
-        return row
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache, eos_token_ids=()) -> None:
         if kv_cache.block_size != config.block_size:
@@ -113,7 +72,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []  # the workers still hold state for these
-        self._inflight: _PlanBuilder | None = None
+        self._inflight: PlanBuilder | None = None
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
@@ -176,13 +135,13 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError(f"schedule() called again before update() for step "
                                f"{self._inflight.step_id}")
-        b = _PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
         if self.policy.preempts_for_waiting and self.waiting and self.num_running:
             self._preempt_for_waiting(b)
         new_running: list[Sequence] = []
         new_prefilling: list[Sequence] = []
-        self._schedule_running(b, new_running)
+        schedule_running(self, b, new_running)
         self._schedule_prefilling(b, new_running, new_prefilling)
         if self.swapped and not b.swap_out:
             self._schedule_swapped(b, new_running, new_prefilling)
@@ -195,45 +154,7 @@ class Scheduler:
         return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
                         b.forks, finished)
 
-    def _schedule_running(self, b: _PlanBuilder, new_running: list[Sequence]) -> None:
-        """One token for every decoding sequence. The common case (one new slot, no copy, no
-        preemption, nothing to resend) is inlined: this loop runs for every sequence, every step."""
-        append_slots = self.kv.append_slots
-        scheduled, planned, keep = b.scheduled.append, b.seqs.append, new_running.append
-        bs, step_id, running = self.block_size, b.step_id, RUNNING
-        for seq in self.running:
-            if seq.status is not running:
-                continue  # finished or preempted since
-            tokens = seq.token_ids
-            num_tokens = len(tokens)
-            needed = num_tokens  # decoding computes the last sampled token: one new slot
-            if (num_tokens - seq.num_computed_tokens != 1 or seq.needs_full_send
-                    or needed <= seq.num_reserved_tokens or b.budget <= 0):
-                self._schedule_one_running(seq, b, keep)
-                continue
-            if needed <= seq.num_blocks_sent * bs and not seq.shared_tail:
-                new_blocks = []  # the slot is in its own last block: tell the manager later
-            else:
-                cow = append_slots(seq.seq_id, needed - seq.num_kv_tokens)
-                if cow is None or cow:  # out of blocks, or its last block was shared
-                    if cow:
-                        self._grew(seq, needed, cow, b)
-                    self._schedule_one_running(seq, b, keep)
-                    continue
-                seq.num_kv_tokens = needed
-                seq.shared_tail = False
-                new_blocks = self.kv.block_table(seq.seq_id)[seq.num_blocks_sent:]
-                seq.num_blocks_sent += len(new_blocks)
-            seq.num_reserved_tokens = needed
-            scheduled(ScheduledSeq(seq.seq_id, 1, new_blocks, tokens[seq.num_tokens_sent:]))
-            seq.num_tokens_sent = num_tokens
-            seq.step_tokens = 1
-            seq.last_step = step_id
-            b.budget -= 1
-            planned(seq)
-            keep(seq)
-
-    def _schedule_one_running(self, seq: Sequence, b: _PlanBuilder, keep) -> None:
+    def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
         """The general path for a running sequence: may preempt, resend or compute several."""
         num_new = min(len(seq.token_ids) - seq.num_computed_tokens, b.budget)
         if num_new > 0 and self._reserve(seq, num_new, b):
@@ -241,7 +162,7 @@ class Scheduler:
         if seq.status is RUNNING:
             keep(seq)
 
-    def _schedule_prefilling(self, b: _PlanBuilder, new_running: list[Sequence],
+    def _schedule_prefilling(self, b: PlanBuilder, new_running: list[Sequence],
                              new_prefilling: list[Sequence]) -> None:
         for seq in self.prefilling:
             if seq.status is not RUNNING:
@@ -255,7 +176,7 @@ class Scheduler:
             elif seq.status is RUNNING:
                 new_prefilling.append(seq)
 
-    def _schedule_swapped(self, b: _PlanBuilder, new_running: list[Sequence],
+    def _schedule_swapped(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
         kv = self.kv
         while self.swapped and b.budget and self.num_running < self.config.max_num_seqs:
@@ -291,7 +212,7 @@ class Scheduler:
         grow = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - held)
         return kv.num_free_blocks - held - grow >= self.num_watermark_blocks
 
-    def _schedule_waiting(self, b: _PlanBuilder, new_running: list[Sequence],
+    def _schedule_waiting(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
         max_num_seqs = self.config.max_num_seqs
         while self.waiting and b.budget and self.num_running < max_num_seqs:
@@ -309,7 +230,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             (new_running if done else new_prefilling).append(seq)
 
-    def _admit(self, seq: Sequence, b: _PlanBuilder) -> bool | None:
+    def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
         """Allocate and schedule a waiting sequence's first chunk. None: it does not fit now;
         else whether the chunk completes its tokens."""
         kv, req, tokens = self.kv, seq.request, seq.token_ids
@@ -341,7 +262,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ blocks and preemption
 
-    def _reserve(self, seq: Sequence, num_new: int, b: _PlanBuilder) -> bool:
+    def _reserve(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
         """Make room for `num_new` more tokens, preempting others (or `seq` itself, returning
         False) when the pool is short."""
         while not self._grow(seq, num_new, b):
@@ -351,7 +272,7 @@ class Scheduler:
                 return False
         return True
 
-    def _grow(self, seq: Sequence, num_new: int, b: _PlanBuilder) -> bool:
+    def _grow(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
         """Hold slots up to num_computed + num_new; False (nothing changed) if blocks are short."""
         needed = seq.num_computed_tokens + num_new
         if needed <= seq.num_reserved_tokens:
@@ -367,7 +288,7 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _grew(seq: Sequence, needed: int, cow: list[tuple[int, int]], b: _PlanBuilder) -> None:
+    def _grew(seq: Sequence, needed: int, cow: list[tuple[int, int]], b: PlanBuilder) -> None:
         seq.num_reserved_tokens = seq.num_kv_tokens = needed
         seq.shared_tail = False
         if cow:
@@ -398,7 +319,7 @@ class Scheduler:
             raise RuntimeError("no sequence left to preempt; the caller should have been a candidate")
         return best
 
-    def _preempt_for_waiting(self, b: _PlanBuilder) -> None:
+    def _preempt_for_waiting(self, b: PlanBuilder) -> None:
         """Let the waiting head push out running sequences it outranks when blocks are short."""
         while self.waiting and self.waiting[0][1].status is not WAITING:
             heapq.heappop(self.waiting)
@@ -415,7 +336,7 @@ class Scheduler:
                 return
             self._preempt(victim, b)
 
-    def _preempt(self, seq: Sequence, b: _PlanBuilder) -> None:
+    def _preempt(self, seq: Sequence, b: PlanBuilder) -> None:
         kv = self.kv
         self._sync_kv(seq)
         can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
@@ -436,7 +357,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plan diffs
 
-    def _emit(self, seq: Sequence, num_tokens: int, b: _PlanBuilder) -> None:
+    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
         """Add `seq` computing `num_tokens` to the plan, sending only what the workers lack."""
         sid, tokens = seq.seq_id, seq.token_ids
         if seq.needs_full_send:
@@ -467,7 +388,7 @@ class Scheduler:
         if not req.forked and seq.num_computed_tokens + num_tokens == len(tokens):
             self._fork(seq, b)
 
-    def _fork(self, parent: Sequence, b: _PlanBuilder) -> None:
+    def _fork(self, parent: Sequence, b: PlanBuilder) -> None:
         """The step that completes the parent's prompt: its n - 1 siblings share every block
         and sample from the same logits."""
         req = parent.request
@@ -503,45 +424,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
         self._inflight = None
-        outputs: list[SequenceOutput] = []
-        rows = _Rows(result)
-        bs = self.block_size
-        caching = self.config.enable_prefix_caching
-        emit = outputs.append
-        no_logprobs = result.logprobs is None and result.top_logprobs is None
-        seq_ids, token_ids = result.seq_ids, result.token_ids
-        num_rows, cursor = len(seq_ids), 0
-        running = RUNNING
-        for seq in b.seqs:
-            if seq.status is not running:
-                continue  # aborted or stopped while the step ran
-            old = seq.num_computed_tokens
-            new = seq.num_computed_tokens = old + seq.step_tokens
-            if caching and new // bs > old // bs:
-                if new > seq.num_kv_tokens:
-                    self._sync_kv(seq)
-                self.kv.cache_blocks(seq.seq_id, seq.token_ids, new)
-            tokens = seq.token_ids
-            if new != len(tokens):
-                continue  # mid-prefill or catching up after a recompute: nothing sampled
-            row = cursor
-            if row >= num_rows or seq_ids[row] != seq.seq_id:
-                row = rows.find(seq.seq_id)
-            cursor = row + 1
-            token = token_ids[row]
-            tokens.append(token)
-            req = seq.request
-            if (token in req.stop_ids or len(tokens) - seq.num_prompt_tokens
-                    >= req.max_output_tokens or not no_logprobs):
-                emit(self._finish_sampled(seq, token, row, result))
-            else:
-                emit(SequenceOutput(req.request_id, seq.index, [token]))
-        for seq in b.fork_children:
-            if seq.status is RUNNING:
-                row = rows.find(seq.seq_id)
-                token = result.token_ids[row]
-                seq.token_ids.append(token)
-                emit(self._finish_sampled(seq, token, row, result))
+        outputs = apply_result(self, b, result)
         self.generation_tokens += len(outputs)
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)

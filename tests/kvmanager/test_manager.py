@@ -140,6 +140,25 @@ def test_reserve_slots_returns_new_block_ids_and_defers_copy_on_write():
         m.reserve_slots(7, 1)
 
 
+def test_commit_blocks_reports_lazy_slots_and_caches_full_blocks():
+    m = KVCacheManager(6, block_size=4, watermark=0.0)
+    toks = [1, 2, 3, 4, 5, 6]
+    m.allocate(1, toks, 6)  # blocks 0, 1; slot 6 and 7 not reserved yet
+    toks += [7, 8]
+    m.commit_blocks(1, toks, 8, 8)
+    assert m.num_tokens(1) == 8 and m.lookup_prefix(toks + [9]) == 8
+    m.commit_blocks(1, toks, 8, 8)  # nothing new
+    with pytest.raises(RuntimeError, match="needs a block or a copy"):
+        m.commit_blocks(1, toks, 9, 8)  # slot 8 lies in a block it does not have
+    with pytest.raises(ValueError, match="cannot shrink"):
+        m.commit_blocks(1, toks, 7, 7)
+    m.append_slots(1, 1)
+    m.fork(1, 2)  # block 2 (slot 8) is shared now
+    with pytest.raises(RuntimeError, match="needs a block or a copy"):
+        m.commit_blocks(2, toks + [9, 10], 10, 9)
+    assert m.num_tokens(2) == 9 and m.stats().gpu_blocks_used == 3
+
+
 def test_copy_on_write_after_fork():
     m = KVCacheManager(10, block_size=4, watermark=0.0)
     m.allocate(1, list(range(6)), 6)
