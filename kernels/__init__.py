@@ -8,20 +8,23 @@ the torch reference <name>_ref of the same signature.
 Backend choice: PAGEDSERVE_KERNELS=auto (default: Triton for CUDA tensors, torch otherwise),
 =triton (always Triton: with TRITON_INTERPRET=1 this runs the kernels on CPU, for tests) or
 =torch (always the torch paths). It is read once at import; set_backend() changes it.
-On the torch backend, PAGEDSERVE_DECODE_CPU=bucketed (default) runs paged_decode_attention_cpu
-for decode (the reference's result, with sequences bucketed by context length so short ones do
-not pay for the longest: 1.61x faster on ragged batches and equal on uniform ones, 2 threads on a
-quiet machine; slower on oversubscribed cores, see kernels/cpu_decode_attention.py) and =ref
-runs paged_decode_attention_ref. It is read once at import.
+On the torch backend, PAGEDSERVE_DECODE_CPU picks the decode attention for CPU tensors:
+=native (default) runs the C kernel of kernels/native (built on first use with the system C
+compiler; each sequence's pages are streamed once from the block table, no gather), falling back
+to =bucketed when it cannot run (no compiler, an fp16 cache); =bucketed runs
+paged_decode_attention_cpu (the reference's gather + SDPA with sequences bucketed by context
+length); =ref runs paged_decode_attention_ref. It is read once at import.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from . import copy_blocks as _copy_blocks
 from . import cpu_decode_attention as _cpu_decode
+from . import native_decode_attention as _native_decode
 from . import paged_decode_attention as _decode
 from . import paged_prefill_attention as _prefill
 from . import store_kv as _store_kv
@@ -49,11 +52,30 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 set_backend(os.environ.get("PAGEDSERVE_KERNELS", "auto"))
-_DECODE_CPU = {"ref": _decode.paged_decode_attention_ref,
-               "bucketed": _cpu_decode.paged_decode_attention_cpu}
-_decode_cpu_name = os.environ.get("PAGEDSERVE_DECODE_CPU", "bucketed")
+_native_warned = False
+
+
+def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The native CPU kernel where it can run, else the bucketed torch path (warned once)."""
+    global _native_warned
+    if _native_decode.supports(q, k_cache):
+        return _native_decode.paged_decode_attention_native(q, k_cache, v_cache, block_tables,
+                                                            context_lens, scale)
+    reason = _native_decode.native.unavailable_reason()
+    if reason and not _native_warned:
+        _native_warned = True
+        warnings.warn(f"{reason}; decode attention falls back to the torch path",
+                      RuntimeWarning, stacklevel=3)
+    return _cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables,
+                                                  context_lens, scale)
+
+
+_DECODE_CPU = {"native": _decode_native, "bucketed": _cpu_decode.paged_decode_attention_cpu,
+               "ref": _decode.paged_decode_attention_ref}
+_decode_cpu_name = os.environ.get("PAGEDSERVE_DECODE_CPU", "native")
 if _decode_cpu_name not in _DECODE_CPU:
-    raise ValueError(f"PAGEDSERVE_DECODE_CPU={_decode_cpu_name!r}: expected ref or bucketed")
+    raise ValueError(f"PAGEDSERVE_DECODE_CPU={_decode_cpu_name!r}: expected one of "
+                     f"{', '.join(_DECODE_CPU)}")
 _decode_torch = _DECODE_CPU[_decode_cpu_name]
 
 

@@ -102,17 +102,21 @@ def test_env_var_selects_the_decode_path():
             "from kernels.cpu_decode_attention import paged_decode_attention_cpu\n"
             "from kernels.paged_decode_attention import paged_decode_attention_ref\n"
             "print(kernels._decode_torch is paged_decode_attention_ref,"
-            " kernels._decode_torch is paged_decode_attention_cpu)\n")
+            " kernels._decode_torch is paged_decode_attention_cpu,"
+            " kernels._decode_torch is kernels._decode_native)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     seen = []
-    for value in ("ref", "bucketed"):
-        env = dict(os.environ, PAGEDSERVE_DECODE_CPU=value)
+    for value in ("ref", "bucketed", "native", None):
+        env = dict(os.environ, PAGEDSERVE_DECODE_CPU=value or "")
+        if value is None:
+            del env["PAGEDSERVE_DECODE_CPU"]
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, timeout=120, cwd=root)
         assert result.returncode == 0, result.stderr[-3000:]
         seen.append(result.stdout.split())
-    assert seen == [["True", "False"], ["False", "True"]]
+    assert seen == [["True", "False", "False"], ["False", "True", "False"],
+                    ["False", "False", "True"], ["False", "False", "True"]]
     env = dict(os.environ, PAGEDSERVE_DECODE_CPU="fast")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=120, cwd=root)
-    assert result.returncode != 0 and "expected ref or bucketed" in result.stderr
+    assert result.returncode != 0 and "expected one of native, bucketed, ref" in result.stderr

@@ -1,0 +1,111 @@
+"""Native CPU kernels: C sources here, compiled on first use with the system C compiler, called
+through ctypes (which releases the GIL for the call).
+
+The shared library is cached under <cache>/kernels/<key>/ (<cache> = $PAGEDSERVE_CACHE or
+~/.cache/pagedserve), keyed by the source, the compiler and its flags, and the CPU's feature
+flags (-march=native): a second process or a restarted worker loads it in milliseconds, and a
+machine with other CPU features builds its own. Concurrent builders (tensor-parallel ranks
+starting together) serialize on a file lock; the library is renamed into place atomically.
+
+`library()` returns the loaded ctypes library, or None when it cannot be built (no compiler, a
+compile error): the reason is in `unavailable_reason()` and callers fall back to the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SOURCES = ("paged_attention.c",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+
+_library: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(compiler: str, source: bytes) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in (source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, sources)],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            os.replace(built, target)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32,
+                       f32, i32, i32, p]
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built and cached on first call), or None if they cannot be built."""
+    global _library, _reason, _loaded
+    if _loaded:
+        return _library
+    _loaded = True
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        _reason = "no C compiler found (gcc or $CC)"
+        return None
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    try:
+        key = _build_key(compiler, b"".join(path.read_bytes() for path in sources))
+        target = _cache_root() / "kernels" / key / "pagedserve_native.so"
+        if not target.exists():
+            _compile(compiler, sources, target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        _reason = f"native CPU kernels unavailable: {exc}"
+        return None
+    _library = lib
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _reason

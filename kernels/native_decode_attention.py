@@ -1,0 +1,70 @@
+"""Decode attention on CPU through the native kernel (kernels/native/paged_attention.c).
+
+Same contract and numbers as paged_decode_attention_ref (fp32 softmax and accumulation), but
+each sequence's pages are read once, straight from the block table, instead of being gathered
+into a scratch buffer and read again by SDPA. Sequences longer than PART_TOKENS are split into
+partitions that run as separate tasks (so a few long sequences still use every thread) and are
+merged by log-sum-exp.
+
+Supports fp32 and bf16 caches; `supports()` says whether a call can run here, and
+kernels/__init__.py falls back to the torch path otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+from ._checks import require
+from ._workspace import scratch
+from .paged_decode_attention import _check_decode
+
+PART_TOKENS = 512
+_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_ERRORS = {-1: "head_dim must be in 1..256", -2: "Hq must be a multiple of Hkv",
+           -3: "the partition size must be a multiple of block_size",
+           -4: "out of memory for the per-thread buffers",
+           -5: "a context length is < 1 or longer than its block table row covers",
+           -6: "a block table entry within a context is not a valid block id"}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native kernel can run this call (CPU tensors, fp32/bf16, library built)."""
+    return (q.device.type == "cpu" and k_cache.dtype in _FUNCTIONS and q.dtype == k_cache.dtype
+            and k_cache.shape[-1] <= 256 and native.library() is not None)
+
+
+def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1."""
+    num_seqs, num_q_heads, num_kv_heads, head_dim = _check_decode(q, k_cache, v_cache,
+                                                                  block_tables, context_lens)
+    require(k_cache.dtype in _FUNCTIONS,
+            f"paged_decode_attention_native: cache dtype {k_cache.dtype} is not supported "
+            f"(float32 or bfloat16)")
+    require(k_cache.stride() == v_cache.stride(),
+            f"paged_decode_attention_native: k_cache strides {k_cache.stride()} != v_cache "
+            f"strides {v_cache.stride()}")
+    lib = native.library()
+    require(lib is not None, f"paged_decode_attention_native: {native.unavailable_reason()}")
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
+    if num_seqs == 0:
+        return out
+    q = q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    block_size = k_cache.shape[1]
+    part_tokens = max(1, PART_TOKENS // block_size) * block_size
+    max_parts = -(-int(context_lens.max()) // part_tokens)
+    workspace = scratch("native_decode", (num_seqs * max(max_parts, 1) * num_q_heads
+                                          * (head_dim + 2),), torch.float32, q.device)
+    status = getattr(lib, _FUNCTIONS[k_cache.dtype])(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[0],
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+        context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr())
+    require(status == 0, f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
+    return out

@@ -1,0 +1,115 @@
+"""The native CPU decode kernel (kernels/native) against the torch reference and the naive
+per-sequence attention: GQA, block sizes 16 and 32, ragged contexts (some longer than one
+partition), shuffled tables padded with -1, head sizes on the AVX-512 path and off it."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
+
+import kernels
+from kernels import native, native_decode_attention
+from kernels.native_decode_attention import paged_decode_attention_native
+from kernels.paged_decode_attention import paged_decode_attention_ref
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason=f"no native kernels: {native.unavailable_reason()}")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _inputs(rng, context_lens, num_q_heads, num_kv_heads, block_size, head_dim, dtype):
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 5
+    kv_cache = make_kv_cache(rng, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = shuffled_block_tables(rng, context_lens, block_size, num_blocks)
+    q = torch.randn(len(context_lens), num_q_heads, head_dim, generator=rng).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return q, kv_cache[1, 0], kv_cache[1, 1], tables, lens, head_dim ** -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 40])
+def test_matches_reference_and_naive(rng, dtype, num_q_heads, num_kv_heads, block_size,
+                                     head_dim):
+    # 48: AVX-512 path with 3 vectors per row; 40: the portable path.
+    context_lens = [70, 1, 17, block_size * 3, 1100, 5, block_size, 513, 1, 64]
+    args = _inputs(rng, context_lens, num_q_heads, num_kv_heads, block_size, head_dim, dtype)
+    out = paged_decode_attention_native(*args)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert rel_error(out, paged_decode_attention_ref(*args)) < TOLERANCE[dtype]
+    q, k_cache, v_cache, tables, lens, scale = args
+    for row, n in enumerate(context_lens):
+        expected = naive_attention(q[row:row + 1], k_cache, v_cache, tables[row], n, 1, scale)
+        assert rel_error(out[row:row + 1], expected) < TOLERANCE[dtype], row
+
+
+def test_partitions_of_one_long_sequence_merge_exactly(rng, monkeypatch):
+    # 8 partitions of 64 tokens for one sequence, against one partition.
+    args = _inputs(rng, [500], 9, 3, 16, 64, torch.float32)
+    whole = paged_decode_attention_native(*args)
+    monkeypatch.setattr(native_decode_attention, "PART_TOKENS", 64)
+    split = paged_decode_attention_native(*args)
+    assert rel_error(split, whole) < 1e-6
+    assert rel_error(split, paged_decode_attention_ref(*args)) < 1e-5
+
+
+def test_threads_do_not_change_the_result(rng):
+    args = _inputs(rng, [300, 40, 700, 2, 129], 9, 3, 16, 64, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_decode_attention_native(*args)
+        torch.set_num_threads(2)
+        two = paged_decode_attention_native(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_tables_and_lengths_raise_instead_of_reading_out_of_bounds(rng):
+    q, k_cache, v_cache, tables, lens, scale = _inputs(rng, [40, 20], 4, 2, 16, 64,
+                                                       torch.float32)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="not a valid block id"):
+        paged_decode_attention_native(q, k_cache, v_cache, bad, lens, scale)
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="not a valid block id"):
+        paged_decode_attention_native(q, k_cache, v_cache, bad, lens, scale)
+    too_long = torch.tensor([40, tables.shape[1] * 16 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="longer than its block table row"):
+        paged_decode_attention_native(q, k_cache, v_cache, tables, too_long, scale)
+    with pytest.raises(ValueError, match="context length is < 1"):
+        paged_decode_attention_native(q, k_cache, v_cache, tables,
+                                      torch.tensor([0, 20], dtype=torch.int32), scale)
+    with pytest.raises(ValueError, match="must be torch.int32"):
+        paged_decode_attention_native(q, k_cache, v_cache, tables.long(), lens, scale)
+    empty = paged_decode_attention_native(q[:0], k_cache, v_cache, tables[:0], lens[:0], scale)
+    assert empty.shape == (0, 4, 64)
+
+
+def test_fp16_falls_back_to_the_torch_path(rng):
+    args = _inputs(rng, [30, 7], 4, 2, 16, 64, torch.float16)
+    assert not native_decode_attention.supports(args[0], args[1])
+    out = kernels.paged_decode_attention(*args)
+    assert rel_error(out, paged_decode_attention_ref(*args)) < 2e-2
+
+
+def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
+    code = ("from kernels import native\n"
+            "lib = native.library()\n"
+            "print('built' if lib is not None else native.unavailable_reason())\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-2000:]
+    assert list(tmp_path.glob("kernels/*/pagedserve_native.so"))
+    env = dict(env, CC=str(tmp_path / "no-such-compiler"), PAGEDSERVE_CACHE=str(tmp_path / "b"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0 and "native CPU kernels unavailable" in result.stdout
