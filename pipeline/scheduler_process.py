@@ -14,6 +14,7 @@ all answer WorkerReady(token); only then does it plan again.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -59,6 +60,9 @@ class SchedulerProcess:
         self.max_model_len = cfg.model.max_model_len or self.model_config.max_position_embeddings
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.step_timeout = cfg.scheduling.step_timeout
+        trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        self.trace = open(trace, "a", encoding="utf-8") if trace else None
+        self.last_schedule_ms = 0.0
         self.instance = uuid.uuid4().hex[:12]
         self.epoch = 0
         self.faults = FaultInjector.from_env("scheduler")
@@ -202,7 +206,9 @@ class SchedulerProcess:
 
     def _start_step(self) -> None:
         scheduler = self.service.scheduler
+        started = time.perf_counter()
         plan = scheduler.schedule(time.time())
+        self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         self.faults.on_message(step=plan.step_id)
         if not (plan.scheduled or plan.new_seqs or plan.swap_out or plan.swap_in or plan.copy
                 or plan.forks or plan.finished_seq_ids):
@@ -231,12 +237,26 @@ class SchedulerProcess:
                 if plan is None or plan.step_id != msg.step_id:
                     continue  # a result from before a reset: its step was discarded
                 self.inflight = None
+                if self.trace is not None:
+                    self._trace_step(plan)
                 self.service.on_step_result(plan, msg)
             elif isinstance(msg, messages.WorkerReady):
                 self._on_worker_ready(msg)
             elif isinstance(msg, messages.WorkerFailed):
                 if self.inflight is not None or self.workers_ready:
                     self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
+
+    def _trace_step(self, plan: messages.StepPlan) -> None:
+        """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and how long it took."""
+        decodes = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        tokens = sum(s.num_tokens for s in plan.scheduled)
+        self.trace.write(json.dumps({
+            "step": plan.step_id, "decode_seqs": decodes, "prefill_tokens": tokens - decodes,
+            "prefill_seqs": len(plan.scheduled) - decodes,
+            "compute_ms": round((time.monotonic() - self.inflight_since) * 1e3, 2),
+            "schedule_ms": round(self.last_schedule_ms, 3),
+            "waiting": len(self.service.scheduler.waiting)}) + "\n")
+        self.trace.flush()
 
     def _drain_frontend(self) -> None:
         service = self.service
