@@ -22,7 +22,8 @@ _ROOT = b""
 _packers: dict[int, struct.Struct] = {}  # token count -> its int64 packer (block_size, mostly)
 
 
-def _packer(num_tokens: int) -> struct.Struct:
+def token_packer(num_tokens: int) -> struct.Struct:
+    """The packer of ``num_tokens`` token ids (int64 little-endian)."""
     packer = _packers.get(num_tokens)
     if packer is None:
         packer = _packers[num_tokens] = struct.Struct(f"<{num_tokens}q")
@@ -30,7 +31,8 @@ def _packer(num_tokens: int) -> struct.Struct:
 
 
 @lru_cache(maxsize=1024)
-def _salt_key(cache_salt: str | None) -> bytes:
+def salt_key(cache_salt: str | None) -> bytes:
+    """The bytes a cache salt (or its absence) adds to every block hash."""
     if cache_salt is None:
         return b"N"
     salt = cache_salt.encode("utf-8")
@@ -41,10 +43,10 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
                       cache_salt: str | None = None) -> BlockHash:
     """Hash of one full block, chained to its parent's hash (None for the first block)."""
     try:
-        packed = _packer(len(token_ids)).pack(*token_ids)
+        packed = token_packer(len(token_ids)).pack(*token_ids)
     except struct.error as exc:
         raise ValueError(f"token ids must be integers in int64 range: {exc}") from None
-    return sha256((parent_hash if parent_hash is not None else _ROOT) + _salt_key(cache_salt)
+    return sha256((parent_hash if parent_hash is not None else _ROOT) + salt_key(cache_salt)
                   + packed).digest()
 
 
@@ -60,8 +62,8 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str 
         num_full = min(num_full, start + max_blocks)
     if num_full <= start:
         return []
-    pack = _packer(block_size).pack
-    salt = _salt_key(cache_salt)
+    pack = token_packer(block_size).pack
+    salt = salt_key(cache_salt)
     hashes = []
     parent = parent_hash if parent_hash is not None else _ROOT
     try:

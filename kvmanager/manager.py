@@ -3,11 +3,14 @@ with prefix caching, copy-on-write, fork and swapping to a host pool."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from hashlib import sha256
+from typing import Iterable, Sequence
 
 from kvmanager.block_pool import BlockPool, NoFreeBlocksError
-from kvmanager.hashing import BlockHash, hash_block_tokens, hash_full_blocks
+from kvmanager.hashing import (BlockHash, hash_block_tokens, hash_full_blocks, salt_key,
+                               token_packer)
 from kvmanager.shm_tables import SharedBlockTables
 from kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
 
@@ -172,29 +175,55 @@ class KVCacheManager:
             cache_block(blocks[block_ids[i]], block_hash)
             hashes.append(block_hash)
 
-    def commit_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                      num_computed_tokens: int) -> None:
-        """``append_slots`` + ``cache_blocks`` in one call, for the scheduler's update path: the
-        sequence now holds ``num_tokens`` slots, grown inside its own blocks (slots it reserved
-        lazily; RuntimeError if that would take a block or a copy), and the full blocks among
-        its first ``num_computed_tokens`` become findable."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.swapped:
-            self._reject_append(seq_id, seq, 0)
-        n = seq.num_tokens
-        if num_tokens != n:
-            block_ids = seq.block_ids
-            bs = self.block_size
-            if num_tokens < n:
-                raise ValueError(f"seq {seq_id} already holds {n} slots, cannot shrink to "
-                                 f"{num_tokens}")
-            if (num_tokens > len(block_ids) * bs
-                    or n % bs and self.gpu_pool.blocks[block_ids[-1]].ref_cnt > 1):
-                raise RuntimeError(f"seq {seq_id}: growing from {n} to {num_tokens} slots needs "
-                                   f"a block or a copy; the slot bookkeeping is wrong")
-            seq.num_tokens = num_tokens
-        if self.enable_prefix_caching:
-            self._cache(seq_id, seq, token_ids, num_computed_tokens)
+    def commit_blocks(self, items: Iterable[tuple[int, Sequence[int], int, int]]) -> None:
+        """``append_slots`` + ``cache_blocks`` for many sequences after a step (the scheduler's
+        update path). For each ``(seq_id, token_ids, num_tokens, num_computed_tokens)``, in
+        order: the sequence now holds ``num_tokens`` slots, grown inside its own blocks (slots
+        it reserved lazily; RuntimeError if that would take a block or a copy), and the full
+        blocks among its first ``num_computed_tokens`` become findable."""
+        seqs, bs, caching = self._seqs, self.block_size, self.enable_prefix_caching
+        pool = self.gpu_pool
+        blocks, cache_block = pool.blocks, pool.cache_block
+        pack = token_packer(bs).pack
+        for seq_id, token_ids, num_tokens, num_computed in items:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.swapped:
+                self._reject_append(seq_id, seq, 0)
+            n = seq.num_tokens
+            if num_tokens != n:
+                block_ids = seq.block_ids
+                if (num_tokens < n or num_tokens > len(block_ids) * bs
+                        or n % bs and blocks[block_ids[-1]].ref_cnt > 1):
+                    self._reject_commit(seq_id, n, num_tokens)
+                seq.num_tokens = num_tokens
+            if not caching:
+                continue
+            hashes = seq.block_hashes
+            start = len(hashes)
+            if (num_computed // bs != start + 1 or num_computed > num_tokens
+                    or num_computed > len(token_ids)):
+                self._cache(seq_id, seq, token_ids, num_computed)  # not one new block, or wrong
+                continue
+            # One block filled up (a decode crossing a block boundary): hash it right here, as
+            # hashing.hash_block_tokens does.
+            i = start * bs
+            try:
+                packed = pack(*token_ids[i:i + bs])
+            except struct.error:
+                self._cache(seq_id, seq, token_ids, num_computed)  # raises the ValueError
+                raise
+            block_hash = sha256((hashes[-1] if start else b"") + salt_key(seq.cache_salt)
+                                + packed).digest()
+            cache_block(blocks[seq.block_ids[start]], block_hash)
+            hashes.append(block_hash)
+
+    @staticmethod
+    def _reject_commit(seq_id: int, n: int, num_tokens: int):
+        if num_tokens < n:
+            raise ValueError(f"seq {seq_id} already holds {n} slots, cannot shrink to "
+                             f"{num_tokens}")
+        raise RuntimeError(f"seq {seq_id}: growing from {n} to {num_tokens} slots needs a block "
+                           f"or a copy; the slot bookkeeping is wrong")
 
     # ---- allocation ------------------------------------------------------------------------
 

@@ -121,13 +121,13 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
     rows = ResultRows(result)
     bs = sched.block_size
     caching = sched.config.enable_prefix_caching
-    kv = sched.kv
-    cache_blocks, commit, finish_sampled = kv.cache_blocks, kv.commit_blocks, sched._finish_sampled
+    commit, finish_sampled = sched.kv.commit_blocks, sched._finish_sampled
     emit = outputs.append
     plain = result.logprobs is None and result.top_logprobs is None
     seq_ids, token_ids = result.seq_ids, result.token_ids
     num_rows, cursor = len(seq_ids), 0
     running = RUNNING
+    filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
     for seq in b.seqs:
         if seq.status is not running:
             continue  # aborted or stopped while the step ran
@@ -135,11 +135,10 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
         new = seq.num_computed_tokens = seq.num_computed_tokens + step
         tokens = seq.token_ids
         if caching and new % bs < step:  # a block filled up: make it findable
-            if new > seq.num_kv_tokens:  # report the slots held lazily first
-                commit(seq.seq_id, tokens, seq.num_reserved_tokens, new)
-                seq.num_kv_tokens = seq.num_reserved_tokens
-            else:
-                cache_blocks(seq.seq_id, tokens, new)
+            held = seq.num_kv_tokens
+            if new > held:  # report the slots held lazily too
+                held = seq.num_kv_tokens = seq.num_reserved_tokens
+            filled.append((seq.seq_id, tokens, held, new))
         if new != len(tokens):
             continue  # mid-prefill or catching up after a recompute: nothing sampled
         row = cursor
@@ -153,7 +152,12 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
                 and len(tokens) - seq.num_prompt_tokens < req.max_output_tokens):
             emit(SequenceOutput(req.request_id, seq.index, [token]))
         else:
+            if filled:  # in order, and before a finished sequence frees its blocks
+                commit(filled)
+                filled = []
             emit(finish_sampled(seq, token, row, result))
+    if filled:
+        commit(filled)
     for seq in b.fork_children:
         if seq.status is running:
             row = rows.find(seq.seq_id)
@@ -161,3 +165,4 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
             seq.token_ids.append(token)
             emit(finish_sampled(seq, token, row, result))
     return outputs
+

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmanager import KVCacheManager, NoFreeBlocksError
+from kvmanager import KVCacheManager, NoFreeBlocksError, hash_full_blocks
 
 
 def free_ids(m):
@@ -141,22 +141,31 @@ def test_reserve_slots_returns_new_block_ids_and_defers_copy_on_write():
 
 
 def test_commit_blocks_reports_lazy_slots_and_caches_full_blocks():
-    m = KVCacheManager(6, block_size=4, watermark=0.0)
+    m = KVCacheManager(8, block_size=4, watermark=0.0)
     toks = [1, 2, 3, 4, 5, 6]
-    m.allocate(1, toks, 6)  # blocks 0, 1; slot 6 and 7 not reserved yet
+    m.allocate(1, toks, 6)  # blocks 0, 1; slots 6 and 7 not reserved yet
+    m.allocate(2, [9] * 5, 5, cache_salt="s")
     toks += [7, 8]
-    m.commit_blocks(1, toks, 8, 8)
+    m.commit_blocks([(1, toks, 8, 8), (2, [9] * 8, 8, 8)])
     assert m.num_tokens(1) == 8 and m.lookup_prefix(toks + [9]) == 8
-    m.commit_blocks(1, toks, 8, 8)  # nothing new
+    assert m.num_tokens(2) == 8 and m.lookup_prefix([9] * 9, "s") == 8
+    assert m._seqs[1].block_hashes == hash_full_blocks(toks, 4)  # same hashes as cache_blocks
+    assert m._seqs[2].block_hashes == hash_full_blocks([9] * 8, 4, "s")
+    m.commit_blocks([(1, toks, 8, 8)])  # nothing new
     with pytest.raises(RuntimeError, match="needs a block or a copy"):
-        m.commit_blocks(1, toks, 9, 8)  # slot 8 lies in a block it does not have
+        m.commit_blocks([(1, toks, 9, 8)])  # slot 8 lies in a block it does not have
     with pytest.raises(ValueError, match="cannot shrink"):
-        m.commit_blocks(1, toks, 7, 7)
-    m.append_slots(1, 1)
-    m.fork(1, 2)  # block 2 (slot 8) is shared now
+        m.commit_blocks([(1, toks, 7, 7)])
+    with pytest.raises(ValueError, match="exceeds the 8 token ids"):
+        m.append_slots(1, 4)
+        m.commit_blocks([(1, toks, 12, 12)])
+    with pytest.raises(ValueError, match="int64 range"):
+        m.commit_blocks([(1, toks + [1, 2, 3, 2**70], 12, 12)])
+    m.allocate(4, [5] * 5, 5)
+    m.fork(4, 5)  # their partial last block is shared
     with pytest.raises(RuntimeError, match="needs a block or a copy"):
-        m.commit_blocks(2, toks + [9, 10], 10, 9)
-    assert m.num_tokens(2) == 9 and m.stats().gpu_blocks_used == 3
+        m.commit_blocks([(5, [5] * 6, 6, 4)])
+    assert m.num_tokens(5) == 5 and m.stats().gpu_blocks_used == 7
 
 
 def test_copy_on_write_after_fork():

@@ -163,6 +163,32 @@ class KVManagerMachine(RuleBasedStateMachine):
         seq.filled += k
         self.m.cache_blocks(seq_id, seq.known, seq.filled)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), k=st.integers(0, 4))
+    def commit(self, data, k):
+        """The scheduler's update path: slots reserved lazily inside its blocks, then cached."""
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        seq = self.seqs[seq_id]
+        if self.m.is_swapped(seq_id):
+            with pytest.raises(ValueError, match="swapped out"):
+                self.m.commit_blocks([(seq_id, seq.known, seq.filled + k, seq.filled)])
+            return
+        before = self.snapshot()
+        fits = self.m.num_blocks_to_append(seq_id, k) == 0
+        while len(seq.known) < seq.filled + k:
+            seq.known.append(data.draw(st.integers(0, 9), label="sampled token"))
+        if not fits:
+            with pytest.raises(RuntimeError, match="needs a block or a copy"):
+                self.m.commit_blocks([(seq_id, seq.known, seq.filled + k, seq.filled + k)])
+            assert self.snapshot() == before
+            event("commit refused")
+            return
+        self._write(seq_id, seq.filled, seq.filled + k)
+        seq.filled += k
+        self.m.commit_blocks([(seq_id, seq.known, seq.filled, seq.filled)])
+        assert self.m.num_tokens(seq_id) == seq.filled
+        event("commit")
+
     @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQS)
     @rule(data=st.data())
     def fork(self, data):
