@@ -3,6 +3,7 @@ flat tensors (once per step, vectorised) and returns the logits of the rows that
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -15,6 +16,7 @@ from workers.kv_cache import allocate_kv_cache
 from workers.loader import ModelConfig, iter_weights
 from workers.models import model_class
 from workers.models.attention import AttentionMetadata
+from workers.models.layers import prepack_linears
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_weights(model_dir))
         self.model.eval()
+        if os.environ.get("PAGEDSERVE_PREPACK", "1") != "0":
+            prepack_linears(self.model)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, self.device,
                                           tp_size, tp_rank)
         log.info("model runner rank %d/%d: %s, %s, %d blocks of %d tokens (%.1f MiB)",

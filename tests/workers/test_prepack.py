@@ -1,0 +1,54 @@
+"""Prepacked bf16 linears give the same numbers as F.linear, and only bf16 CPU weights pack."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.loader import load_config
+from workers.model_runner import ModelRunner, SeqStep
+from workers.models.layers import PackableLinear, prepack_linears
+from workers.testing import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+
+def _linear(out_features, in_features, dtype):
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(out_features, in_features).to(dtype),
+                                      requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_matmul_equals_f_linear_for_any_batch(rows):
+    torch.manual_seed(rows)
+    layer = _linear(96, 80, torch.bfloat16)
+    x = torch.randn(rows, 80).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight)
+    assert layer.prepack() and layer.packed is not None
+    assert torch.equal(layer.matmul(x), expected)
+
+
+def test_fp32_weights_stay_unpacked():
+    layer = _linear(16, 8, torch.float32)
+    assert not layer.prepack() and layer.packed is None
+    x = torch.randn(3, 8)
+    assert torch.equal(layer.matmul(x), F.linear(x, layer.weight))
+
+
+def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatch):
+    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2)
+    config = load_config(model_dir)
+    items = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
+    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")
+    unpacked = ModelRunner(config, model_dir, torch.bfloat16, "cpu", 16, 8)
+    monkeypatch.delenv("PAGEDSERVE_PREPACK")
+    packed = ModelRunner(config, model_dir, torch.bfloat16, "cpu", 16, 8)
+    assert all(m.packed is not None for m in packed.model.modules()
+               if isinstance(m, PackableLinear))
+    assert all(m.packed is None for m in unpacked.model.modules()
+               if isinstance(m, PackableLinear))
+    assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
+    assert prepack_linears(unpacked.model) == 2 * 4      # qkv, o, gate_up, down per layer
+    assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())
