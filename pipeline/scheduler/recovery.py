@@ -26,6 +26,7 @@ def requeue_for_recompute(scheduler) -> int:
     live = [s for s in scheduler.seqs.values() if not s.is_finished]
     scheduler.waiting, scheduler.swapped, scheduler.running, scheduler.prefilling = [], [], [], []
     scheduler.num_running = scheduler.num_swapped = scheduler.num_waiting = 0
+    scheduler.num_unforked = 0
     for seq in live:
         seq.num_tokens_sent = seq.num_blocks_sent = seq.step_tokens = 0
         seq.needs_full_send = True

@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # decoding; finished ones dropped at the next step
         self.prefilling: list[Sequence] = []  # admitted, prompt (or recompute) not done yet
         self.num_running = self.num_waiting = self.num_swapped = 0  # live sequences
+        # Samples that running parents fork once their prompt is done: their room under
+        # max_num_seqs is held from the parent's admission on.
+        self.num_unforked = 0
         self.num_queued_requests = 0  # never admitted yet: bounded by max_queued_requests
         self.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
         self.iteration_tokens = 0
@@ -179,11 +182,15 @@ class Scheduler:
     def _schedule_swapped(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
         kv = self.kv
-        while self.swapped and b.budget and self.num_running < self.config.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        while (self.swapped and b.budget
+               and self.num_running + self.num_unforked < max_num_seqs):
             seq = self.swapped[0][1]
             if seq.status is not SWAPPED:
                 heapq.heappop(self.swapped)
                 continue
+            if self._num_slots(seq) > max_num_seqs - self.num_running - self.num_unforked:
+                break  # a parent swapped out before its samples forked
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
             if not self.config.enable_chunked_prefill and chunk < remaining:
@@ -193,8 +200,7 @@ class Scheduler:
             heapq.heappop(self.swapped)
             b.swap_in.extend(kv.swap_in(seq.seq_id))
             self.num_swapped -= 1
-            self.num_running += 1
-            seq.status = RUNNING
+            self._add_running(seq)
             seq.needs_full_send = True  # its block ids changed
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
@@ -215,14 +221,14 @@ class Scheduler:
     def _schedule_waiting(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
         max_num_seqs = self.config.max_num_seqs
-        while self.waiting and b.budget and self.num_running < max_num_seqs:
+        while self.waiting and b.budget and self.num_running + self.num_unforked < max_num_seqs:
             seq = self.waiting[0][1]
             if seq.status is not WAITING:
                 heapq.heappop(self.waiting)
                 continue
             if seq.preempted_step == b.step_id:
                 break  # pushed out this very step: admitting it back would thrash
-            if not seq.request.forked and self.num_running + seq.request.sampling.n > max_num_seqs:
+            if self._num_slots(seq) > max_num_seqs - self.num_running - self.num_unforked:
                 break  # its samples will fork into sequences of their own
             done = self._admit(seq, b)
             if done is None:
@@ -250,9 +256,8 @@ class Scheduler:
         seq.num_computed_tokens = got
         seq.num_reserved_tokens = seq.num_kv_tokens = got + chunk
         chunk = min(chunk, total - got)
-        seq.status = RUNNING
         self.num_waiting -= 1
-        self.num_running += 1
+        self._add_running(seq)
         if req.queued:
             req.queued = False
             self.num_queued_requests -= 1
@@ -341,7 +346,7 @@ class Scheduler:
         self._sync_kv(seq)
         can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
         self.num_preemptions += 1
-        self.num_running -= 1
+        self._remove_running(seq)
         seq.preempted_step = b.step_id
         seq.needs_full_send = True  # swap-in and recompute both change its block table
         if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
@@ -410,6 +415,7 @@ class Scheduler:
             child.last_step = b.step_id
             children.append(child)
         self.num_running += len(children)
+        self.num_unforked -= len(children)
         b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
         b.fork_children.extend(children)
 
@@ -448,6 +454,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
 
+    @staticmethod
+    def _num_slots(seq: Sequence) -> int:
+        """Sequences it counts for under max_num_seqs: a parent whose samples have not forked
+        yet holds room for them all."""
+        req = seq.request
+        return 1 if req.forked else req.sampling.n
+
+    def _add_running(self, seq: Sequence) -> None:
+        seq.status = RUNNING
+        self.num_running += 1
+        self.num_unforked += self._num_slots(seq) - 1
+
+    def _remove_running(self, seq: Sequence) -> None:
+        """Before `seq` leaves RUNNING (preempted or finished)."""
+        self.num_running -= 1
+        self.num_unforked -= self._num_slots(seq) - 1
+
     def _new_seq(self, req: RequestState, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, token_ids)
         self._next_seq_id += 1
@@ -463,7 +486,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> bool:
         """Release a sequence; returns whether that finished its whole request."""
         if seq.status is RUNNING:
-            self.num_running -= 1
+            self._remove_running(seq)
             self.kv.free(seq.seq_id)
         elif seq.status is SWAPPED:
             self.num_swapped -= 1
