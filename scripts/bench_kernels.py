@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/bench_kernels.py [--batch 256] [--context 512] [--repeats 10]
 
-Decode is timed twice: decode_ref_* is paged_decode_attention_ref (the plain reference), decode_*
-is paged_decode_attention_cpu (the CPU serving path), both on equal-length and on ragged
-(uniform 1..context) batches. Times are medians; *_cpu_ms is the process CPU time, steadier than
+Decode is timed three ways: decode_ref_* is paged_decode_attention_ref (the plain reference),
+decode_bucketed_* is paged_decode_attention_cpu (gather + SDPA by length bucket) and decode_* is
+paged_decode_attention_native (the C kernel, the CPU serving path), each on equal-length and on
+ragged (uniform 1..context) batches. Times are medians; *_cpu_ms is the process CPU time, steadier than
 wall time on a shared box (divide by the thread count for a wall-time equivalent).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.cpu_decode_attention import paged_decode_attention_cpu  # noqa: E402
+from kernels.native_decode_attention import paged_decode_attention_native  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
 from kernels.paged_prefill_attention import paged_prefill_attention_ref  # noqa: E402
 from kernels.store_kv import store_kv_ref  # noqa: E402
@@ -75,10 +77,10 @@ def main() -> None:
     ragged_lens = torch.randint(1, context + 1, (batch,), generator=gen, dtype=torch.int32)
     for label, lens in (("", context_lens), ("_ragged", ragged_lens)):
         # Interleave old and new so both see the same machine load.
-        for name, fn in (("decode_ref", paged_decode_attention_ref),
-                         ("decode", paged_decode_attention_cpu),
-                         ("decode_ref", paged_decode_attention_ref),
-                         ("decode", paged_decode_attention_cpu)):
+        paths = (("decode_ref", paged_decode_attention_ref),
+                 ("decode_bucketed", paged_decode_attention_cpu),
+                 ("decode", paged_decode_attention_native))
+        for name, fn in paths + paths:
             wall, cpu = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, scale),
                                   args.repeats)
             for key, value in ((f"{name}{label}_ms", wall), (f"{name}{label}_cpu_ms", cpu)):
@@ -87,6 +89,7 @@ def main() -> None:
     results["decode_kv_gb_s"] = kv_bytes / results["decode_ms"] / 1e6
     results["decode_speedup"] = results["decode_ref_ms"] / results["decode_ms"]
     results["decode_ragged_speedup"] = results["decode_ref_ragged_ms"] / results["decode_ragged_ms"]
+    results["decode_vs_bucketed"] = results["decode_bucketed_ms"] / results["decode_ms"]
 
     def decode_sdpa_fresh_gather():   # the reference without its reused scratch buffers
         ids = tables.reshape(-1).long()
