@@ -72,9 +72,8 @@ class BlockPool:
             raise NoFreeBlocksError(
                 f"need {num_blocks} blocks but only {self.num_free_blocks} of "
                 f"{self.num_blocks} are free")
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+        out = self.free_block_queue.popleft_n(num_blocks)
+        for block in out:
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
@@ -83,7 +82,6 @@ class BlockPool:
                     self.on_swap_link_broken(block.swap_copy)
                 block.swap_copy = None
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:

@@ -51,6 +51,25 @@ class FreeBlockQueue:
         self._unlink(block)
         return block
 
+    def popleft_n(self, n: int) -> list[Block]:
+        """Take the ``n`` blocks at the head, in order; raises IndexError (taking none) when
+        fewer are queued."""
+        if n > self.num_free_blocks:
+            raise IndexError(f"pop of {n} blocks from a free block queue holding "
+                             f"{self.num_free_blocks}")
+        out = []
+        head = self._head
+        block = head.next_free
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        head.next_free = block
+        block.prev_free = head
+        self.num_free_blocks -= n
+        return out
+
     def append(self, block: Block) -> None:
         """Put a block at the tail: it is handed out after every block already queued."""
         self._link_after(self._tail.prev_free, block)

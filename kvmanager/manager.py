@@ -345,11 +345,12 @@ class KVCacheManager:
             seq.num_tokens = num_tokens
             return []
         pool = self.gpu_pool
-        if num_new > pool.num_free_blocks:
+        if num_new > pool.free_block_queue.num_free_blocks:
             return None
-        self._check_table_width(seq_id, num_blocks + num_new)
+        if self.block_tables is not None:
+            self._check_table_width(seq_id, num_blocks + num_new)
         new_ids = [b.block_id for b in pool.allocate(num_new)]
-        block_ids.extend(new_ids)
+        block_ids += new_ids
         seq.num_tokens = num_tokens
         if seq.row >= 0:
             self.block_tables.array[seq.row, num_blocks:num_blocks + num_new] = new_ids

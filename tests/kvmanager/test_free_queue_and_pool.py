@@ -20,6 +20,21 @@ def test_free_queue_popleft_append_remove_are_ordered():
     assert blocks[0].is_free and not Block(9).is_free
 
 
+def test_free_queue_popleft_n_takes_the_head_in_order():
+    blocks = [Block(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks)
+    assert queue.popleft_n(0) == [] and ids(queue) == [0, 1, 2, 3, 4]
+    assert queue.popleft_n(2) == blocks[:2] and ids(queue) == [2, 3, 4] and len(queue) == 3
+    assert not blocks[0].is_free and blocks[1].next_free is None
+    with pytest.raises(IndexError):
+        queue.popleft_n(4)
+    assert ids(queue) == [2, 3, 4]
+    queue.appendleft(blocks[1])
+    assert queue.popleft_n(4) == [blocks[1]] + blocks[2:] and len(queue) == 0 and ids(queue) == []
+    queue.append(blocks[0])
+    assert ids(queue) == [0] and queue.popleft() is blocks[0]
+
+
 def test_free_queue_rejects_double_insert_and_foreign_remove():
     blocks = [Block(i) for i in range(2)]
     queue = FreeBlockQueue(blocks[:1])
