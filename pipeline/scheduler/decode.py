@@ -102,7 +102,9 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
             seq.shared_tail = False
             seq.num_blocks_sent += len(new_blocks)
         seq.num_reserved_tokens = n
-        add(ScheduledSeq(seq.seq_id, 1, new_blocks, tokens[seq.num_tokens_sent:]))
+        sent = seq.num_tokens_sent
+        add(ScheduledSeq(seq.seq_id, 1, new_blocks,
+                         [tokens[sent]] if sent + 1 == n else tokens[sent:]))
         seq.num_tokens_sent = n
         seq.step_tokens = 1
         seq.last_step = step_id
@@ -127,8 +129,10 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
     commit, finish_sampled = sched.kv.commit_blocks, sched._finish_sampled
     emit = outputs.append
     plain = result.logprobs is None and result.top_logprobs is None
-    seq_ids, token_ids = result.seq_ids, result.token_ids
-    num_rows, cursor = len(seq_ids), 0
+    # Rows come in plan order: a cursor finds them, the index only what is out of order. The
+    # sentinel ends the rows without a bounds check per sequence.
+    seq_ids, token_ids = [*result.seq_ids, None], result.token_ids
+    cursor = 0
     running = RUNNING
     filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
     for seq in b.seqs:
@@ -144,21 +148,20 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
             filled.append((seq.seq_id, tokens, held, new))
         if new != len(tokens):
             continue  # mid-prefill or catching up after a recompute: nothing sampled
-        row = cursor
-        if row >= num_rows or seq_ids[row] != seq.seq_id:
-            row = rows.find(seq.seq_id)
-        cursor = row + 1
-        token = token_ids[row]
+        if seq_ids[cursor] != seq.seq_id:
+            cursor = rows.find(seq.seq_id)
+        token = token_ids[cursor]
+        cursor += 1
         tokens.append(token)
         req = seq.request
         if (plain and token not in req.stop_ids
-                and len(tokens) - seq.num_prompt_tokens < req.max_output_tokens):
+                and new - seq.num_prompt_tokens + 1 < req.max_output_tokens):
             emit(SequenceOutput(req.request_id, seq.index, [token]))
         else:
             if filled:  # in order, and before a finished sequence frees its blocks
                 commit(filled)
                 filled = []
-            emit(finish_sampled(seq, token, row, result))
+            emit(finish_sampled(seq, token, cursor - 1, result))
     if filled:
         commit(filled)
     for seq in b.fork_children:
