@@ -76,4 +76,18 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     if not sampling.ignore_eos:
         stop_ids |= eos_token_ids
     return RequestState(rid, sampling, request.arrival_time, request.priority, request.cache_salt,
-                        num_prompt, max_output, frozenset(stop_ids))
+                        num_prompt, max_output, _shared(frozenset(stop_ids)))
+
+
+_stop_sets: dict[frozenset[int], frozenset[int]] = {}
+
+
+def _shared(stop_ids: frozenset[int]) -> frozenset[int]:
+    """One set per distinct content: `update` checks every sampled token against its request's
+    set, and a few shared sets stay in cache where thousands of equal copies would not."""
+    shared = _stop_sets.get(stop_ids)
+    if shared is None:
+        shared = stop_ids
+        if len(_stop_sets) < 1024:
+            _stop_sets[stop_ids] = stop_ids
+    return shared
