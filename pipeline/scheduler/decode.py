@@ -7,6 +7,7 @@ else to the scheduler's general methods, so plans and outputs are exactly what t
 """
 from __future__ import annotations
 
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepResult
@@ -25,7 +26,7 @@ class PlanBuilder:
     """The lists of one step's plan, plus the token budget left."""
 
     __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
-                 "forks", "seqs", "fork_children")
+                 "forks", "decoded", "num_decoded", "seqs", "fork_children")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -36,7 +37,11 @@ class PlanBuilder:
         self.swap_in: list[tuple[int, int]] = []
         self.copy: list[tuple[int, int]] = []
         self.forks: list[Fork] = []
-        self.seqs: list[Sequence] = []  # parallel to `scheduled`
+        # The planned sequences, in plan order: decoded[:num_decoded] (the running list, when
+        # every running sequence kept was planned), then seqs.
+        self.decoded: list[Sequence] = []
+        self.num_decoded = 0
+        self.seqs: list[Sequence] = []
         self.fork_children: list[Sequence] = []
 
 
@@ -114,7 +119,8 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
     # Every planned sequence was kept (nothing preempts what this step already planned), in
     # plan order, so when none was kept unplanned the kept ones are b.seqs.
     if len(b.scheduled) == len(new_running):
-        b.seqs = new_running[:]
+        b.decoded, b.num_decoded = new_running, len(new_running)
+        b.seqs = []
     else:  # some were kept without being planned (no budget left, nothing to compute)
         b.seqs = [seq for seq in new_running if seq.last_step == step_id]
 
@@ -135,7 +141,7 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
     cursor = 0
     running = RUNNING
     filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
-    for seq in b.seqs:
+    for seq in chain(islice(b.decoded, b.num_decoded), b.seqs):
         if seq.status is not running:
             continue  # aborted or stopped while the step ran
         step = seq.step_tokens
