@@ -64,6 +64,9 @@ class Scheduler:
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by policy key; aborted stay lazily
         self.swapped: list[tuple[tuple, Sequence]] = []  # heap by policy key
         self.running: list[Sequence] = []  # decoding; finished ones dropped at the next step
+        # The running list of the next step is built in the one of the step before: a list
+        # that lives on is not traversed again by every young-generation garbage collection.
+        self._spare_running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prompt (or recompute) not done yet
         self.num_running = self.num_waiting = self.num_swapped = 0  # live sequences
         # Samples that running parents fork once their prompt is done: their room under
@@ -142,7 +145,7 @@ class Scheduler:
         self._next_step_id += 1
         if self.policy.preempts_for_waiting and self.waiting and self.num_running:
             self._preempt_for_waiting(b)
-        new_running: list[Sequence] = []
+        new_running = self._spare_running  # empty
         new_prefilling: list[Sequence] = []
         schedule_running(self, b, new_running)
         self._schedule_prefilling(b, new_running, new_prefilling)
@@ -150,7 +153,10 @@ class Scheduler:
             self._schedule_swapped(b, new_running, new_prefilling)
         if self.waiting:
             self._schedule_waiting(b, new_running, new_prefilling)
+        old_running = self.running
         self.running, self.prefilling = new_running, new_prefilling
+        old_running.clear()
+        self._spare_running = old_running
         self.iteration_tokens = self.config.max_num_batched_tokens - b.budget
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         self._inflight = b
