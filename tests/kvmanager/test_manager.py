@@ -168,6 +168,29 @@ def test_commit_blocks_reports_lazy_slots_and_caches_full_blocks():
     assert m.num_tokens(5) == 5 and m.stats().gpu_blocks_used == 7
 
 
+def test_commit_blocks_batch_keeps_the_order_of_single_calls():
+    m = KVCacheManager(12, block_size=4, watermark=0.0)
+    same = [1, 2, 3, 4, 5]
+    for seq_id in (1, 2, 3):
+        m.allocate(seq_id, same, 5)
+    # seqs 1 and 2 fill the same block contents: the first one listed is the cached block
+    m.commit_blocks([(2, same, 5, 4), (1, same, 5, 4), (2, same, 5, 4)])  # 2 listed twice
+    assert m.gpu_pool.cached_blocks[hash_full_blocks(same, 4)[0]].block_id == m.block_table(2)[0]
+    assert len(m._seqs[2].block_hashes) == 1 and len(m._seqs[1].block_hashes) == 1
+    # an item that fails: the ones before it are done, the ones after it untouched
+    m.allocate(4, [7] * 3, 3)
+    with pytest.raises(RuntimeError, match="needs a block or a copy"):
+        m.commit_blocks([(4, [7] * 4, 4, 4), (3, same, 9, 4), (4, [7] * 4, 4, 4)])
+    assert m.lookup_prefix([7] * 5) == 4 and m.lookup_prefix(same) == 4
+    assert m.num_tokens(3) == 5 and m._seqs[3].block_hashes == []
+    # several blocks at once and single blocks, mixed: same hashes as cache_blocks
+    toks = list(range(20, 33))
+    m.allocate(5, toks, 13)
+    m.commit_blocks([(5, toks, 13, 8), (3, same + [6, 7, 8], 8, 8), (5, toks, 13, 12)])
+    assert m._seqs[5].block_hashes == hash_full_blocks(toks, 4)
+    assert m._seqs[3].block_hashes == hash_full_blocks(same + [6, 7, 8], 4)
+
+
 def test_copy_on_write_after_fork():
     m = KVCacheManager(10, block_size=4, watermark=0.0)
     m.allocate(1, list(range(6)), 6)
