@@ -69,8 +69,8 @@ class ResultRows:
 
 
 def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequence]) -> None:
-    """One token for every decoding sequence, in running order; fills `new_running` and leaves
-    `b.seqs` holding the planned ones in plan order.
+    """One token for every decoding sequence, in running order; fills `new_running` (the
+    running list from this step on) and records the planned ones, in plan order, in `b`.
 
     The fast case: computing its last sampled token (one new slot) with nothing to resend.
     The slot lies in the blocks the workers already have (held lazily, reported to the manager
