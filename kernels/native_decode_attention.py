@@ -12,6 +12,7 @@ kernels/__init__.py falls back to the torch path otherwise.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -21,6 +22,17 @@ from ._workspace import scratch
 from .paged_decode_attention import _check_decode
 
 PART_TOKENS = 512
+# OpenMP team size of the kernel; 0: torch's current thread count. A CPU worker sets it to its
+# cores (set_threads), which may exceed its torch threads: see kernels/native/paged_attention.c.
+_threads = int(os.environ.get("PAGEDSERVE_ATTENTION_THREADS", "0") or 0)
+
+
+def set_threads(count: int) -> None:
+    """Threads for the native decode kernel (0: follow torch.get_num_threads())."""
+    global _threads
+    if count < 0:
+        raise ValueError(f"attention threads must be >= 0, got {count}")
+    _threads = count
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _ERRORS = {-1: "head_dim must be in 1..256", -2: "Hq must be a multiple of Hkv",
            -3: "the partition size must be a multiple of block_size",
@@ -65,6 +77,6 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[0],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr())
+        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(), _threads)
     require(status == 0, f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
     return out

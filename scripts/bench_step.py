@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import native_decode_attention  # noqa: E402
 from workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
 from workers.model_runner import ModelRunner, SeqStep  # noqa: E402
 
@@ -103,10 +104,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention-threads", type=int, default=0,
+                        help="threads of the native CPU decode kernel (0: same as --threads)")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    native_decode_attention.set_threads(args.attention_threads)
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -122,7 +126,8 @@ def main() -> None:
     print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s over {params / 1e6:.1f}M matmul "
           f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
     report = {"model": args.model, "dtype": args.dtype, "context": args.context,
-              "threads": torch.get_num_threads(), "matmul_gflops": round(flops / 1e9, 1),
+              "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
+              "matmul_gflops": round(flops / 1e9, 1),
               "roofline_tok_s": round(roofline, 1)}
     for batch in batches:
         seconds = bench_runner(runner, batch, args.context, repeats=max(3, int(40 / batch ** 0.5)))

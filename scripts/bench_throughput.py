@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default=None, help="per worker rank, e.g. 2GiB")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="compute threads per CPU worker rank (default: the engine's)")
     p.add_argument("--roofline-tokens", type=int, default=256,
                    help="rows of the roofline matmuls (bench_step uses its largest batch, 256)")
     return p
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "tensor_parallel_size": args.tensor_parallel_size}
     if args.kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if args.cpu_threads:
+        engine_kwargs["cpu_threads"] = args.cpu_threads
     ours = run_engine(requests, str(model_dir), engine_kwargs)
     print(f"pagedserve: {ours['requests']} requests in {ours['elapsed_s']:.1f}s: "
           f"{ours['requests_s']:.2f} requests/s, {ours['output_tok_s']:.1f} output tok/s, "
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
               "roofline_tok_s": round(roofline, 1),
               "frac_of_roofline": round(ours["output_tok_s"] / roofline, 3),
               "hf_static_output_tok_s": None, "hf_num_prompts": 0, "ratio_vs_hf": None,
-              "preemptions": ours["preemptions"], "load_avg": _loadavg()}
+              "preemptions": ours["preemptions"], "cpu_threads": args.cpu_threads,
+              "load_avg": _loadavg()}
     if not args.skip_hf:
         report.update(compare_with_hf(requests, args, model_dir, tokenizer, dtype, device,
                                       ours["output_tok_s"]))

@@ -37,6 +37,7 @@ def build_core(cfg: EngineConfig, rank: int):
     import torch
     from workers.distributed import init_distributed
     from workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
+    from kernels import native_decode_attention
     from workers.loader import load_config as load_model_config
     from workers.model_runner import ModelRunner
     from workers.sampler import Sampler
@@ -44,8 +45,11 @@ def build_core(cfg: EngineConfig, rank: int):
 
     tp = cfg.parallel.tensor_parallel_size
     device = pick_device(cfg, rank)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    adapt_threads = device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ
+    if device.type == "cpu":
+        if adapt_threads:
+            torch.set_num_threads(cfg.parallel.threads_per_rank())
+        native_decode_attention.set_threads(cfg.parallel.attention_threads_per_rank())
     dtype = getattr(torch, _DTYPES[cfg.model.torch_dtype_name])
     model_config = load_model_config(cfg.model.model)
     init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
@@ -66,6 +70,9 @@ def build_core(cfg: EngineConfig, rank: int):
         torch.cuda.empty_cache()
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
                          runner_blocks, rank, tp)
+    if adapt_threads:
+        runner.set_cpu_threads(cfg.parallel.threads_per_rank(),
+                               cfg.parallel.attention_threads_per_rank())
     per_block = block_bytes(model_config, cfg.cache.block_size, dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"

@@ -77,7 +77,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32,
-                       f32, i32, i32, p]
+                       f32, i32, i32, p, i32]
 
 
 def library() -> ctypes.CDLL | None:

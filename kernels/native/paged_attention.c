@@ -13,13 +13,16 @@
  * pass 2 accumulates the V rows. Work is split into tasks of (sequence, partition of at most
  * PART tokens); sequences longer than one partition are combined by their log-sum-exp.
  *
- * Threads: OpenMP, the same libgomp (soname libgomp.so.1) torch has loaded, so torch's
- * set_num_threads governs both. Compiled with -O3 -march=native and the float flags that allow
+ * Threads: OpenMP, the same libgomp (soname libgomp.so.1) torch has loaded. num_threads > 0
+ * sets the team size, else torch's set_num_threads governs. Tasks are handed out dynamically, so
+ * a thread that the OS deschedules (other processes on the cores) delays the call by at most
+ * one task, unlike a statically split torch op that waits for the thread's whole share. Compiled with -O3 -march=native and the float flags that allow
  * vectorized reductions; no -ffast-math (it would set FTZ/DAZ for the whole process).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 typedef uint16_t bf16_t;
 
@@ -364,7 +367,7 @@ int paged_decode_##SUFFIX(                                                      
         const int32_t *block_tables, int64_t table_stride, int64_t table_width,             \
         const int32_t *context_lens, int num_seqs, int num_q_heads,    \
         int num_kv_heads, int head_dim, int block_size, float scale, int part_tokens,        \
-        int max_parts, float *workspace) {                                                    \
+        int max_parts, float *workspace, int num_threads) {                                   \
     if (head_dim > MAX_HEAD_DIM || head_dim <= 0) return -1;                                  \
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;                           \
     if (part_tokens <= 0 || part_tokens % block_size) return -3;                              \
@@ -372,7 +375,8 @@ int paged_decode_##SUFFIX(                                                      
     const int64_t line_floats = D + 2;                                                        \
     const int64_t tasks = (int64_t)num_seqs * max_parts;                                      \
     int status = 0;                                                                           \
-    _Pragma("omp parallel")                                                                   \
+    if (num_threads <= 0) num_threads = omp_get_max_threads();                                \
+    _Pragma("omp parallel num_threads(num_threads)")                                          \
     {                                                                                         \
         float *qf = malloc(sizeof(float) * H * D);                                            \
         float *scores = malloc(sizeof(float) * H * part_tokens);                              \

@@ -1,4 +1,5 @@
-"""Prepacked bf16 linears give the same numbers as F.linear, and only bf16 CPU weights pack."""
+"""Prepacked bf16 linears give the same numbers as F.linear, and only bf16 CPU weights pack;
+the runner picks its torch threads by step size."""
 from __future__ import annotations
 
 import pytest
@@ -52,3 +53,17 @@ def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatc
     assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
     assert prepack_linears(unpacked.model) == 2 * 4      # qkv, o, gate_up, down per layer
     assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())
+
+
+def test_runner_picks_threads_by_step_size(tmp_path):
+    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=1)
+    runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", 16, 40)
+    before = torch.get_num_threads()
+    try:
+        runner.set_cpu_threads(1, 2)
+        runner.execute([SeqStep([5, 9], 0, [2], True)])
+        assert torch.get_num_threads() == 1
+        runner.execute([SeqStep(list(range(300)), 0, list(range(19)), True)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
