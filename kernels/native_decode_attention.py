@@ -22,7 +22,7 @@ from ._workspace import scratch
 from .paged_decode_attention import _check_decode
 
 PART_TOKENS = 512
-# OpenMP team size of the kernel; 0: torch's current thread count. A CPU worker sets it to its
+# Threads of the kernel's task pool; 0: torch's current thread count. A CPU worker sets it to its
 # cores (set_threads), which may exceed its torch threads: see kernels/native/paged_attention.c.
 _threads = int(os.environ.get("PAGEDSERVE_ATTENTION_THREADS", "0") or 0)
 
@@ -77,6 +77,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[0],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(), _threads)
+        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(),
+        _threads or torch.get_num_threads())
     require(status == 0, f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
     return out
