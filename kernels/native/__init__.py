@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 _SOURCES = ("paged_attention.c",)
-_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-fno-math-errno",
-          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared",
+          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 
 _library: ctypes.CDLL | None = None
 _reason: str | None = None
