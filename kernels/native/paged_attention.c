@@ -164,8 +164,8 @@ DEFINE_TASK(bf16, bf16_t, load_bf16)
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* AVX-512 path for head_dim a multiple of 16: the same task as attend_*, with the K/V rows
- * converted once per (token, kv head) and shared by the group's query heads, and a vector exp. */
+/* AVX-512 path (decode512_fixed below) for head sizes 64 and 128 and GQA groups up to 8; other
+ * shapes take the portable attend_* path. */
 
 static inline __attribute__((always_inline)) __m512 loadv(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) {
@@ -211,120 +211,9 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *block
     for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(start + at, _MM_HINT_T0);
 }
 
-static inline __attribute__((always_inline)) int attend512(
-        const void *q, int64_t q_stride_row, int rows, int64_t pos0, int causal,
-        const void *k_cache, const void *v_cache, int64_t stride_blk, int64_t stride_tok,
-        int64_t stride_head, const int32_t *table, int64_t num_blocks, int block_size,
-        int64_t k0, int64_t k1, int num_q_heads, int num_kv_heads, const int NV, float scale,
-        float *qf, float *scores, float *part_m, float *part_l, float *part_acc, int is_bf16) {
-    const int group = num_q_heads / num_kv_heads;
-    const int64_t n = k1 - k0;
-    const int64_t D = 16 * NV;
-    const int64_t lines = (int64_t)rows * num_q_heads;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const int64_t row_bytes = stride_tok * (is_bf16 ? 2 : 4);
-    for (int64_t line = 0; line < lines; line++) {
-        const int64_t r = line / num_q_heads, qh = line % num_q_heads;
-        for (int c = 0; c < NV; c++)
-            _mm512_storeu_ps(qf + line * D + 16 * c,
-                             _mm512_mul_ps(loadv(q, r * q_stride_row + qh * D + 16 * c, is_bf16),
-                                           vscale));
-    }
-    /* pass 1: scores */
-    for (int64_t t = k0; t < k1;) {
-        const int64_t blk = table[t / block_size];
-        if (blk < 0 || blk >= num_blocks) return -6;
-        const int64_t off = t % block_size;
-        int64_t count = block_size - off;
-        if (count > k1 - t) count = k1 - t;
-        const int64_t row0 = blk * stride_blk + off * stride_tok;
-        const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
-                                       num_blocks, stride_blk, is_bf16);
-        for (int64_t j = 0; j < count; j++) {
-            prefetch_row(next, j, row_bytes);
-            for (int h = 0; h < num_kv_heads; h++) {
-                const int64_t at = row0 + j * stride_tok + h * stride_head;
-                __m512 k[16];
-                for (int c = 0; c < NV; c++) k[c] = loadv(k_cache, at + 16 * c, is_bf16);
-                for (int r = 0; r < rows; r++)
-                    for (int g = 0; g < group; g++) {
-                        const int64_t line = (int64_t)r * num_q_heads + h * group + g;
-                        const float *qrow = qf + line * D;
-                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qrow), k[0]);
-                        for (int c = 1; c < NV; c++)
-                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qrow + 16 * c), k[c], a);
-                        scores[line * n + (t - k0) + j] = _mm512_reduce_add_ps(a);
-                    }
-            }
-        }
-        t += count;
-    }
-    /* softmax numerators */
-    for (int64_t line = 0; line < lines; line++) {
-        const int64_t r = line / num_q_heads;
-        int64_t visible = n;
-        if (causal) {
-            visible = pos0 + r + 1 - k0;
-            if (visible > n) visible = n;
-            if (visible < 0) visible = 0;
-        }
-        float *s = scores + line * n;
-        __m512 vm = _mm512_set1_ps(-3.0e38f);
-        for (int64_t j = 0; j < visible; j += 16) {
-            const __mmask16 mask = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
-            vm = _mm512_mask_max_ps(vm, mask, vm, _mm512_maskz_loadu_ps(mask, s + j));
-        }
-        const float m = _mm512_reduce_max_ps(vm);
-        const __m512 bm = _mm512_set1_ps(m);
-        __m512 vl = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const int64_t left = n - j;
-            const __mmask16 inside = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-            const int64_t vis = visible - j;
-            const __mmask16 seen = vis >= 16 ? 0xffff : vis <= 0 ? 0 : (__mmask16)((1u << vis) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + j), bm));
-            e = _mm512_maskz_mov_ps(seen, e);
-            _mm512_mask_storeu_ps(s + j, inside, e);
-            vl = _mm512_add_ps(vl, e);
-        }
-        part_m[line] = m;
-        part_l[line] = _mm512_reduce_add_ps(vl);
-    }
-    /* pass 2: acc += p * V row */
-    memset(part_acc, 0, sizeof(float) * lines * D);
-    for (int64_t t = k0; t < k1;) {
-        const int64_t blk = table[t / block_size];
-        const int64_t off = t % block_size;
-        int64_t count = block_size - off;
-        if (count > k1 - t) count = k1 - t;
-        const int64_t row0 = blk * stride_blk + off * stride_tok;
-        const char *next = block_start(v_cache, table, t / block_size + 1, (k1 - 1) / block_size,
-                                       num_blocks, stride_blk, is_bf16);
-        for (int64_t j = 0; j < count; j++) {
-            prefetch_row(next, j, row_bytes);
-            for (int h = 0; h < num_kv_heads; h++) {
-                const int64_t at = row0 + j * stride_tok + h * stride_head;
-                __m512 v[16];
-                for (int c = 0; c < NV; c++) v[c] = loadv(v_cache, at + 16 * c, is_bf16);
-                for (int r = 0; r < rows; r++)
-                    for (int g = 0; g < group; g++) {
-                        const int64_t line = (int64_t)r * num_q_heads + h * group + g;
-                        const __m512 p = _mm512_set1_ps(scores[line * n + (t - k0) + j]);
-                        float *acc = part_acc + line * D;
-                        for (int c = 0; c < NV; c++)
-                            _mm512_storeu_ps(acc + 16 * c,
-                                             _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(acc + 16 * c)));
-                    }
-            }
-        }
-        t += count;
-    }
-    return 0;
-}
-
 /* Decode task (one query row) with the group size G and NV = D / 16 known at compile time: the
  * group's query rows and accumulators stay in registers across a block's tokens, and the V row
- * is converted once per (token, kv head). Same numbers as attend512 up to summation order. */
+ * is converted once per (token, kv head). Same numbers as attend_* up to summation order. */
 static inline __attribute__((always_inline)) int decode512_fixed(
         const void *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,
@@ -486,14 +375,6 @@ DEFINE_MERGE(bf16, bf16_t, store_bf16)
 #else
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc) (-100)
 #endif
-#if HAVE_AVX512
-#define ATTEND512_CALL(NV, IS_BF16)                                                            \
-    attend512(q + b * H * D, 0, 1, ctx - 1, 0, k_cache, v_cache, stride_blk, stride_tok,      \
-              stride_head, block_tables + b * table_stride, num_blocks, block_size, k0, k1,  \
-              num_q_heads, num_kv_heads, NV, scale, qf, scores, pm, pl, pacc, IS_BF16)
-#else
-#define ATTEND512_CALL(NV, IS_BF16) (-7)
-#endif
 
 /* ---- task pool -------------------------------------------------------------------------
  * The calling thread and num_threads - 1 helper threads claim task indices from one atomic
@@ -644,10 +525,7 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     if (!qf) { job->status = -4; return; }                                                    \
     float *scores = qf + H * D;                                                               \
     int rc = DECODE_FIXED(b, k0, k1, scores, pm, pl, pacc);                                   \
-    if (rc != -100) {}                                                                        \
-    else if (HAVE_AVX512 && head_dim % 16 == 0)                                               \
-        rc = ATTEND512(head_dim / 16);                                                        \
-    else                                                                                      \
+    if (rc == -100)                                                                           \
         rc = attend_##SUFFIX(q + b * H * D, 0, 1, ctx - 1, 0, k_cache, v_cache, stride_blk,   \
                              stride_tok, stride_head, block_tables + b * table_stride,        \
                              num_blocks, block_size, k0, k1, num_q_heads, num_kv_heads,       \
@@ -691,13 +569,9 @@ int paged_decode_##SUFFIX(                                                      
 }
 
 #define MERGE_LINES 64
-#define ATTEND512(NV) ATTEND512_CALL(NV, 0)
 #define DECODE_FIXED(...) DECODE_FIXED_CALL(f32, __VA_ARGS__)
 DEFINE_DECODE(f32, float)
-#undef ATTEND512
 #undef DECODE_FIXED
-#define ATTEND512(NV) ATTEND512_CALL(NV, 1)
 #define DECODE_FIXED(...) DECODE_FIXED_CALL(bf16, __VA_ARGS__)
 DEFINE_DECODE(bf16, bf16_t)
-#undef ATTEND512
 #undef DECODE_FIXED

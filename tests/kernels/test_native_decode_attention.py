@@ -35,8 +35,8 @@ def _inputs(rng, context_lens, num_q_heads, num_kv_heads, block_size, head_dim, 
 @pytest.mark.parametrize("head_dim", [64, 128, 48, 40])
 def test_matches_reference_and_naive(rng, dtype, num_q_heads, num_kv_heads, block_size,
                                      head_dim):
-    # 64/128 with a group of up to 8: the specialized AVX-512 path; 48 or a group of 10: the
-    # general AVX-512 path; 40: the portable path.
+    # 64/128 with a group of up to 8: the AVX-512 path (where the CPU has it); 48, 40 or a
+    # group of 10: the portable path.
     context_lens = [70, 1, 17, block_size * 3, 1100, 5, block_size, 513, 1, 64]
     args = _inputs(rng, context_lens, num_q_heads, num_kv_heads, block_size, head_dim, dtype)
     out = paged_decode_attention_native(*args)
