@@ -46,9 +46,8 @@ def build_core(cfg: EngineConfig, rank: int):
     tp = cfg.parallel.tensor_parallel_size
     device = pick_device(cfg, rank)
     adapt_threads = device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ
-    if device.type == "cpu":
-        if adapt_threads:
-            torch.set_num_threads(cfg.parallel.threads_per_rank())
+    if adapt_threads:  # else $OMP_NUM_THREADS sets torch's threads and the kernel follows them
+        torch.set_num_threads(cfg.parallel.threads_per_rank())
         native_decode_attention.set_threads(cfg.parallel.attention_threads_per_rank())
     dtype = getattr(torch, _DTYPES[cfg.model.torch_dtype_name])
     model_config = load_model_config(cfg.model.model)

@@ -128,6 +128,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         event("copy-on-write" if copies else "append in place")
         self._copy("gpu", "gpu", copies)
         self._wipe("gpu", self.m.block_table(seq_id)[old_len:])
+        self._fill(data, seq_id, seq, k)
+
+    def _fill(self, data, seq_id, seq, k):
+        """Write k more sampled tokens into the sequence's new slots and cache its full blocks."""
         while len(seq.known) < seq.filled + k:
             seq.known.append(data.draw(st.integers(0, 9), label="sampled token"))
         self._write(seq_id, seq.filled, seq.filled + k)
@@ -157,11 +161,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert self.m.block_table(seq_id) == old_table + new_ids and len(new_ids) == need
         event("reserve new block" if new_ids else "reserve in place")
         self._wipe("gpu", new_ids)
-        while len(seq.known) < seq.filled + k:
-            seq.known.append(data.draw(st.integers(0, 9), label="sampled token"))
-        self._write(seq_id, seq.filled, seq.filled + k)
-        seq.filled += k
-        self.m.cache_blocks(seq_id, seq.known, seq.filled)
+        self._fill(data, seq_id, seq, k)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), k=st.integers(0, 4))
