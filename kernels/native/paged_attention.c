@@ -1,7 +1,6 @@
-/* Paged attention for CPU workers, called through ctypes (kernels/native/__init__.py).
+/* Paged decode attention for CPU workers, called through ctypes (kernels/native/__init__.py).
  *
- * Same contracts as paged_decode_attention_ref / paged_prefill_attention_ref
- * (kernels/paged_decode_attention.py, kernels/paged_prefill_attention.py): caches are layer views
+ * Same contract as paged_decode_attention_ref (kernels/paged_decode_attention.py): caches are layer views
  * [num_blocks, block_size, Hkv, D] with unit stride on D; q and out are [N, Hq, D] contiguous;
  * query head qh reads kv head qh / (Hq / Hkv).
  *
@@ -67,14 +66,12 @@ static inline float exp_nonpos(float x) {
 
 #define MAX_HEAD_DIM 256
 
-/* One task: query rows q[0..rows) (row r at position pos0 + r, or all at pos0 for decode), heads
- * Hq, against keys [k0, k1) of one sequence. Causal: key t is visible to row r iff
- * t <= pos0 + r. Writes, per (row, head), the max score m, the sum of exp(s - m) l and the
- * unnormalized accumulator acc[D] (fp32), into part_m / part_l / part_acc. */
+/* Portable decode task: one query row q[Hq, D] against keys [k0, k1) of one sequence. Writes,
+ * per query head, the max score m, the sum of exp(s - m) l and the unnormalized accumulator
+ * acc[D] (fp32), into part_m / part_l / part_acc. */
 #define DEFINE_TASK(SUFFIX, T, LOAD)                                                          \
-static inline __attribute__((always_inline)) int attend_##SUFFIX(                                                                  \
-        const T *q, int64_t q_stride_row, int rows, int64_t pos0, int causal,                \
-        const T *k_cache, const T *v_cache, int64_t stride_blk, int64_t stride_tok,          \
+static inline __attribute__((always_inline)) int attend_##SUFFIX(                          \
+        const T *q, const T *k_cache, const T *v_cache, int64_t stride_blk, int64_t stride_tok,          \
         int64_t stride_head, const int32_t *table, int64_t num_blocks, int block_size,     \
         int64_t k0, int64_t k1,                                                              \
         int num_q_heads, int num_kv_heads, int head_dim, float scale,                         \
@@ -82,13 +79,9 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
     const int group = num_q_heads / num_kv_heads;                                             \
     const int64_t n = k1 - k0;                                                                \
     const int D = head_dim;                                                                   \
-    for (int r = 0; r < rows; r++)                                                            \
-        for (int qh = 0; qh < num_q_heads; qh++)                                              \
-            for (int d = 0; d < D; d++)                                                       \
-                qf[((int64_t)r * num_q_heads + qh) * D + d] =                                 \
-                    LOAD(q, r * q_stride_row + (int64_t)qh * D + d) * scale;                  \
-    /* pass 1: scores[(r, qh), j] for key k0 + j */                                           \
-    const int64_t lines = (int64_t)rows * num_q_heads;                                        \
+    for (int64_t i = 0; i < (int64_t)num_q_heads * D; i++) qf[i] = LOAD(q, i) * scale;        \
+    /* pass 1: scores[qh * n + j] for key k0 + j */                                           \
+    const int64_t lines = num_q_heads;                                                        \
     for (int64_t t = k0; t < k1;) {                                                           \
         const int64_t blk = table[t / block_size];                                            \
         if (blk < 0 || blk >= num_blocks) return -6;                                          \
@@ -101,37 +94,27 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
                 const T *krow = kbase + j * stride_tok;                                       \
                 float kf[MAX_HEAD_DIM];                                                       \
                 for (int d = 0; d < D; d++) kf[d] = LOAD(krow, d);                            \
-                for (int r = 0; r < rows; r++)                                                \
-                    for (int g = 0; g < group; g++) {                                         \
-                        const int64_t line = (int64_t)r * num_q_heads + h * group + g;        \
-                        const float *qrow = qf + line * D;                                    \
-                        float s = 0.0f;                                                       \
-                        for (int d = 0; d < D; d++) s += qrow[d] * kf[d];                     \
-                        scores[line * n + (t - k0) + j] = s;                                  \
-                    }                                                                         \
+                for (int64_t line = h * group; line < (h + 1) * group; line++) {              \
+                    const float *qrow = qf + line * D;                                        \
+                    float s = 0.0f;                                                           \
+                    for (int d = 0; d < D; d++) s += qrow[d] * kf[d];                         \
+                    scores[line * n + (t - k0) + j] = s;                                      \
+                }                                                                             \
             }                                                                                 \
         }                                                                                     \
         t += count;                                                                           \
     }                                                                                         \
-    /* softmax numerators per line, over its visible keys */                                  \
+    /* softmax numerators per query head */                                                   \
     for (int64_t line = 0; line < lines; line++) {                                            \
-        const int64_t r = line / num_q_heads;                                                 \
-        int64_t visible = n;                                                                  \
-        if (causal) {                                                                         \
-            visible = pos0 + r + 1 - k0;                                                      \
-            if (visible > n) visible = n;                                                     \
-            if (visible < 0) visible = 0;                                                     \
-        }                                                                                     \
         float *s = scores + line * n;                                                         \
         float m = -3.0e38f;                                                                   \
-        for (int64_t j = 0; j < visible; j++) m = s[j] > m ? s[j] : m;                        \
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;                              \
         float l = 0.0f;                                                                       \
-        for (int64_t j = 0; j < visible; j++) { float e = exp_nonpos(s[j] - m); s[j] = e; l += e; } \
-        for (int64_t j = visible; j < n; j++) s[j] = 0.0f;                                    \
+        for (int64_t j = 0; j < n; j++) { float e = exp_nonpos(s[j] - m); s[j] = e; l += e; } \
         part_m[line] = m;                                                                     \
         part_l[line] = l;                                                                     \
     }                                                                                         \
-    /* pass 2: acc[(r, qh)] += p * V row */                                                   \
+    /* pass 2: acc[qh] += p * V row */                                                        \
     memset(part_acc, 0, sizeof(float) * lines * D);                                           \
     for (int64_t t = k0; t < k1;) {                                                           \
         const int64_t blk = table[t / block_size];                                            \
@@ -144,13 +127,11 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
                 const T *vrow = vbase + j * stride_tok;                                       \
                 float vf[MAX_HEAD_DIM];                                                       \
                 for (int d = 0; d < D; d++) vf[d] = LOAD(vrow, d);                            \
-                for (int r = 0; r < rows; r++)                                                \
-                    for (int g = 0; g < group; g++) {                                         \
-                        const int64_t line = (int64_t)r * num_q_heads + h * group + g;        \
-                        const float p = scores[line * n + (t - k0) + j];                      \
-                        float *acc = part_acc + line * D;                                     \
-                        for (int d = 0; d < D; d++) acc[d] += p * vf[d];                      \
-                    }                                                                         \
+                for (int64_t line = h * group; line < (h + 1) * group; line++) {              \
+                    const float p = scores[line * n + (t - k0) + j];                          \
+                    float *acc = part_acc + line * D;                                         \
+                    for (int d = 0; d < D; d++) acc[d] += p * vf[d];                          \
+                }                                                                             \
             }                                                                                 \
         }                                                                                     \
         t += count;                                                                           \
@@ -526,7 +507,7 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     float *scores = qf + H * D;                                                               \
     int rc = DECODE_FIXED(b, k0, k1, scores, pm, pl, pacc);                                   \
     if (rc == -100)                                                                           \
-        rc = attend_##SUFFIX(q + b * H * D, 0, 1, ctx - 1, 0, k_cache, v_cache, stride_blk,   \
+        rc = attend_##SUFFIX(q + b * H * D, k_cache, v_cache, stride_blk,                     \
                              stride_tok, stride_head, block_tables + b * table_stride,        \
                              num_blocks, block_size, k0, k1, num_q_heads, num_kv_heads,       \
                              head_dim, scale, qf, scores, pm, pl, pacc);                      \
