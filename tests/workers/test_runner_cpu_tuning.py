@@ -8,10 +8,12 @@ import torch.nn.functional as F
 
 from workers.loader import load_config
 from workers.model_runner import ModelRunner, SeqStep
-from workers.models.layers import PackableLinear, prepack_linears
+from workers.models import layers
+from workers.models.layers import PackableLinear, bf16_prepack_supported, prepack_linears
 from workers.testing import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+needs_bf16_packing = pytest.mark.skipif(
+    not bf16_prepack_supported(), reason="this CPU's oneDNN has no bf16 inner product")
 
 
 def _linear(out_features, in_features, dtype):
@@ -21,6 +23,7 @@ def _linear(out_features, in_features, dtype):
     return layer
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_matmul_equals_f_linear_for_any_batch(rows):
     torch.manual_seed(rows)
@@ -38,6 +41,15 @@ def test_fp32_weights_stay_unpacked():
     assert torch.equal(layer.matmul(x), F.linear(x, layer.weight))
 
 
+def test_bf16_weights_stay_unpacked_where_onednn_cannot_pack_them(monkeypatch):
+    monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: False)
+    layer = _linear(16, 8, torch.bfloat16)
+    assert not layer.prepack() and layer.packed is None
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    assert torch.equal(layer.matmul(x), F.linear(x, layer.weight))
+
+
+@needs_bf16_packing
 def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatch):
     model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2)
     config = load_config(model_dir)

@@ -5,6 +5,7 @@ out of the full Hugging Face tensor (`load`), so checkpoints are never re-sharde
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,6 +77,8 @@ class PackableLinear(nn.Module):
     (measured, 1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us, [64 x 1536] @ [1536 x 576]
     237 -> 163 us; same results bit for bit). fp32 stays on F.linear: oneDNN's fp32 kernels
     sum in another order (~1e-4 apart), which the fp32 reference-equality tests would see.
+    CPUs whose oneDNN has no bf16 inner product (AVX2 without AVX-512/AVX-NE-CONVERT) keep the
+    plain weight: `bf16_prepack_supported()` probes that once.
     """
 
     packed: torch.Tensor | None = None
@@ -84,7 +87,7 @@ class PackableLinear(nn.Module):
         """Pack the weight for oneDNN if it is a CPU bf16 weight; whether it did."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
-                or not torch.backends.mkldnn.is_available():
+                or not bf16_prepack_supported():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return True
@@ -93,6 +96,21 @@ class PackableLinear(nn.Module):
         if self.packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+@functools.cache
+def bf16_prepack_supported() -> bool:
+    """Whether this CPU's oneDNN can pack and multiply a bf16 weight (it needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT; on plain AVX2 both the reorder and the product raise)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ones(8, 8, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        out = torch.ops.mkldnn._linear_pointwise(weight, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool(torch.equal(out, F.linear(weight, weight)))
 
 
 def prepack_linears(model: nn.Module) -> int:
