@@ -33,7 +33,9 @@ def parse_bytes(text: str | int) -> int:
 class ModelArgs:
     model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 (CPU and CUDA); float32 for exact reference checks
+    # auto: bfloat16 where the device has native bf16 matmuls, else float32 (CPU) / float16
+    # (CUDA); see workers.worker_process.resolve_dtype. float32 for exact reference checks.
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
 
@@ -42,10 +44,6 @@ class ModelArgs:
             raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
-
-    @property
-    def torch_dtype_name(self) -> str:
-        return "bfloat16" if self.dtype == "auto" else self.dtype
 
 
 @dataclass(slots=True)

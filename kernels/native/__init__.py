@@ -45,11 +45,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _flags() -> tuple[str, ...]:
+    """The compiler flags: _FLAGS, then $PAGEDSERVE_NATIVE_CFLAGS (tests build the AVX2 and the
+    portable variants on an AVX-512 CPU with -mno-avx512f, -mno-avx2 ...)."""
+    return _FLAGS + tuple(os.environ.get("PAGEDSERVE_NATIVE_CFLAGS", "").split())
+
+
 def _build_key(compiler: str, source: bytes) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    for part in (source, " ".join(_flags()).encode(), version.encode(), _cpu_flags().encode(),
                  platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -64,7 +70,7 @@ def _compile(compiler: str, sources: list[Path], target: Path) -> None:
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, sources)],
+            result = subprocess.run([compiler, *_flags(), "-o", str(built), *map(str, sources)],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

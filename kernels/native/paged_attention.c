@@ -142,34 +142,92 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
 DEFINE_TASK(f32, float, load_f32)
 DEFINE_TASK(bf16, bf16_t, load_bf16)
 
-#if defined(__AVX512F__)
+/* ---- vector path: decode_fixed for head sizes 64 and 128 and GQA groups up to 8 ----------
+ * One body for two ISAs: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), chosen at compile time by
+ * -march=native; other CPUs and other shapes take the portable attend_* path. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-
-/* AVX-512 path (decode512_fixed below) for head sizes 64 and 128 and GQA groups up to 8; other
- * shapes take the portable attend_* path. */
-
-static inline __attribute__((always_inline)) __m512 loadv(const void *base, int64_t i, int is_bf16) {
+#define HAVE_VECTOR 1
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vec;
+static inline vec v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vec v_zero(void) { return _mm512_setzero_ps(); }
+static inline vec v_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec v_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec v_sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec v_max(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec v_fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec v_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_storef(float *p, vec a) { _mm512_storeu_ps(p, a); }
+static inline float v_sum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline float v_hmax(vec a) { return _mm512_reduce_max_ps(a); }
+static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     return _mm512_loadu_ps((const float *)base + i);
 }
+static inline vec v_round(vec a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec v_pow2i(vec p, vec i) { return _mm512_scalef_ps(p, i); }   /* p * 2^i */
+#else
+#define VW 8
+typedef __m256 vec;
+static inline vec v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vec v_zero(void) { return _mm256_setzero_ps(); }
+static inline vec v_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec v_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec v_sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec v_max(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec v_fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec v_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_storef(float *p, vec a) { _mm256_storeu_ps(p, a); }
+static inline float v_sum(vec a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline float v_hmax(vec a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)((const bf16_t *)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + i);
+}
+static inline vec v_round(vec a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec v_pow2i(vec p, vec i) {   /* p * 2^i for integral i in [-126, 0] */
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i),
+                                                            _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
-/* exp(x) for x <= 0 lanes, same polynomial as exp_nonpos; 2^i applied by vscalefps. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, i);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, i);
+/* exp(x) for x <= 0 lanes, the polynomial of exp_nonpos. */
+static inline vec v_exp(vec x) {
+    x = v_max(x, v_set1(-87.0f));
+    const vec t = v_mul(x, v_set1(1.4426950408889634f));
+    const vec i = v_round(t);
+    const vec f = v_sub(t, i);
+    vec p = v_set1(1.5403530393381606e-4f);
+    p = v_fmadd(p, f, v_set1(1.3333558146428443e-3f));
+    p = v_fmadd(p, f, v_set1(9.6181291076284772e-3f));
+    p = v_fmadd(p, f, v_set1(5.5504108664821580e-2f));
+    p = v_fmadd(p, f, v_set1(2.4022650695910071e-1f));
+    p = v_fmadd(p, f, v_set1(6.9314718055994531e-1f));
+    p = v_fmadd(p, f, v_set1(1.0f));
+    return v_pow2i(p, i);
 }
 
 /* Where the table's block `index` starts (bytes), or NULL past the range: blocks are scattered,
@@ -192,19 +250,19 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *block
     for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(start + at, _MM_HINT_T0);
 }
 
-/* Decode task (one query row) with the group size G and NV = D / 16 known at compile time: the
+/* Decode task (one query row) with the group size G and NV = D / VW known at compile time: the
  * group's query rows and accumulators stay in registers across a block's tokens, and the V row
  * is converted once per (token, kv head). Same numbers as attend_* up to summation order. */
-static inline __attribute__((always_inline)) int decode512_fixed(
+static inline __attribute__((always_inline)) int decode_fixed(
         const void *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, const int NV, const int G,
         float scale, float *scores, float *part_m, float *part_l, float *part_acc, int is_bf16) {
     const int64_t n = k1 - k0;
-    const int64_t D = 16 * NV;
+    const int64_t D = VW * NV;
     const int num_q_heads = num_kv_heads * G;
     const int64_t row_bytes = stride_tok * (is_bf16 ? 2 : 4);
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const vec vscale = v_set1(scale);
     /* pass 1: scores[qh * n + j] */
     for (int64_t t = k0; t < k1;) {
         const int64_t blk = table[t / block_size];
@@ -216,52 +274,50 @@ static inline __attribute__((always_inline)) int decode512_fixed(
         const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, is_bf16);
         for (int h = 0; h < num_kv_heads; h++) {
-            __m512 qv[G][NV];
+            vec qv[G][NV];
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < NV; c++)
-                    qv[g][c] = _mm512_mul_ps(loadv(q, (int64_t)(h * G + g) * D + 16 * c, is_bf16),
-                                             vscale);
+                    qv[g][c] = v_mul(v_load(q, (int64_t)(h * G + g) * D + VW * c, is_bf16), vscale);
             float *srow = scores + (int64_t)h * G * n + (t - k0);
             for (int64_t j = 0; j < count; j++) {
                 if (h == 0) prefetch_row(next, j, row_bytes);
                 const int64_t at = row0 + j * stride_tok + h * stride_head;
-                __m512 k[NV];
-                for (int c = 0; c < NV; c++) k[c] = loadv(k_cache, at + 16 * c, is_bf16);
+                vec k[NV];
+                for (int c = 0; c < NV; c++) k[c] = v_load(k_cache, at + VW * c, is_bf16);
                 for (int g = 0; g < G; g++) {
-                    __m512 a = _mm512_mul_ps(qv[g][0], k[0]);
-                    for (int c = 1; c < NV; c++) a = _mm512_fmadd_ps(qv[g][c], k[c], a);
-                    srow[g * n + j] = _mm512_reduce_add_ps(a);
+                    vec a = v_mul(qv[g][0], k[0]);
+                    for (int c = 1; c < NV; c++) a = v_fmadd(qv[g][c], k[c], a);
+                    srow[g * n + j] = v_sum(a);
                 }
             }
         }
         t += count;
     }
-    /* softmax numerators per query head */
+    /* softmax numerators per query head: whole vectors, then a scalar tail */
+    const int64_t whole = n - n % VW;
     for (int qh = 0; qh < num_q_heads; qh++) {
         float *sr = scores + (int64_t)qh * n;
-        __m512 vm = _mm512_set1_ps(-3.0e38f);
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-            vm = _mm512_mask_max_ps(vm, mask, vm, _mm512_maskz_loadu_ps(mask, sr + j));
+        vec vm = v_set1(-3.0e38f);
+        for (int64_t j = 0; j < whole; j += VW) vm = v_max(vm, v_loadf(sr + j));
+        float m = v_hmax(vm);
+        for (int64_t j = whole; j < n; j++) m = sr[j] > m ? sr[j] : m;
+        const vec bm = v_set1(m);
+        vec vl = v_zero();
+        for (int64_t j = 0; j < whole; j += VW) {
+            const vec e = v_exp(v_sub(v_loadf(sr + j), bm));
+            v_storef(sr + j, e);
+            vl = v_add(vl, e);
         }
-        const float m = _mm512_reduce_max_ps(vm);
-        const __m512 bm = _mm512_set1_ps(m);
-        __m512 vl = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + j), bm));
-            e = _mm512_maskz_mov_ps(mask, e);
-            _mm512_mask_storeu_ps(sr + j, mask, e);
-            vl = _mm512_add_ps(vl, e);
-        }
+        float l = v_sum(vl);
+        for (int64_t j = whole; j < n; j++) { const float e = exp_nonpos(sr[j] - m); sr[j] = e; l += e; }
         part_m[qh] = m;
-        part_l[qh] = _mm512_reduce_add_ps(vl);
+        part_l[qh] = l;
     }
     /* pass 2: part_acc[qh] = sum_j p[qh, j] * V[j] */
     for (int h = 0; h < num_kv_heads; h++) {
-        __m512 acc[G][NV];
+        vec acc[G][NV];
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int c = 0; c < NV; c++) acc[g][c] = v_zero();
         const float *prow = scores + (int64_t)h * G * n;
         for (int64_t t = k0; t < k1;) {
             const int64_t blk = table[t / block_size];
@@ -275,32 +331,32 @@ static inline __attribute__((always_inline)) int decode512_fixed(
             for (int64_t j = 0; j < count; j++) {
                 prefetch_row(next, j, row_bytes);
                 const int64_t at = row0 + j * stride_tok + h * stride_head;
-                __m512 v[NV];
-                for (int c = 0; c < NV; c++) v[c] = loadv(v_cache, at + 16 * c, is_bf16);
+                vec v[NV];
+                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, is_bf16);
                 for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(prow[g * n + (t - k0) + j]);
-                    for (int c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+                    const vec p = v_set1(prow[g * n + (t - k0) + j]);
+                    for (int c = 0; c < NV; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);
                 }
             }
             t += count;
         }
         for (int g = 0; g < G; g++)
             for (int c = 0; c < NV; c++)
-                _mm512_storeu_ps(part_acc + (int64_t)(h * G + g) * D + 16 * c, acc[g][c]);
+                v_storef(part_acc + (int64_t)(h * G + g) * D + VW * c, acc[g][c]);
     }
     return 0;
 }
 
 /* Specialized decode tasks for D in {64, 128} and G in 1..8; -100 when none fits. */
-#define DECODE_CASE(NV_, G_, BF16_)                                                            \
-    case (NV_) * 16 + (G_):                                                                    \
-        return decode512_fixed(q, k_cache, v_cache, stride_blk, stride_tok, stride_head,       \
-                               table, num_blocks, block_size, k0, k1, num_kv_heads, NV_, G_,   \
-                               scale, scores, part_m, part_l, part_acc, BF16_);
-#define DECODE_CASES(NV_, BF16_)                                                               \
-    DECODE_CASE(NV_, 1, BF16_) DECODE_CASE(NV_, 2, BF16_) DECODE_CASE(NV_, 3, BF16_)           \
-    DECODE_CASE(NV_, 4, BF16_) DECODE_CASE(NV_, 5, BF16_) DECODE_CASE(NV_, 6, BF16_)           \
-    DECODE_CASE(NV_, 7, BF16_) DECODE_CASE(NV_, 8, BF16_)
+#define DECODE_CASE(D_, G_, BF16_)                                                             \
+    case (D_) * 16 + (G_):                                                                     \
+        return decode_fixed(q, k_cache, v_cache, stride_blk, stride_tok, stride_head,          \
+                            table, num_blocks, block_size, k0, k1, num_kv_heads, (D_) / VW,    \
+                            G_, scale, scores, part_m, part_l, part_acc, BF16_);
+#define DECODE_CASES(D_, BF16_)                                                                \
+    DECODE_CASE(D_, 1, BF16_) DECODE_CASE(D_, 2, BF16_) DECODE_CASE(D_, 3, BF16_)              \
+    DECODE_CASE(D_, 4, BF16_) DECODE_CASE(D_, 5, BF16_) DECODE_CASE(D_, 6, BF16_)              \
+    DECODE_CASE(D_, 7, BF16_) DECODE_CASE(D_, 8, BF16_)
 #define DEFINE_DECODE_FIXED(SUFFIX, BF16_)                                                     \
 static int decode_fixed_##SUFFIX(                                                             \
         const void *q, const void *k_cache, const void *v_cache, int64_t stride_blk,          \
@@ -308,17 +364,16 @@ static int decode_fixed_##SUFFIX(                                               
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, int head_dim, int group,    \
         float scale, float *scores, float *part_m, float *part_l, float *part_acc) {           \
     if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128)) return -100;           \
-    switch ((head_dim / 16) * 16 + group) {                                                   \
-        DECODE_CASES(4, BF16_)                                                                \
-        DECODE_CASES(8, BF16_)                                                                \
+    switch (head_dim * 16 + group) {                                                          \
+        DECODE_CASES(64, BF16_)                                                               \
+        DECODE_CASES(128, BF16_)                                                              \
     }                                                                                         \
     return -100;                                                                              \
 }
 DEFINE_DECODE_FIXED(f32, 0)
 DEFINE_DECODE_FIXED(bf16, 1)
-#define HAVE_AVX512 1
 #else
-#define HAVE_AVX512 0
+#define HAVE_VECTOR 0
 #endif
 
 /* Merge the partitions of one (row, head) line by log-sum-exp and store it normalized. Partition
@@ -347,7 +402,7 @@ static void merge_##SUFFIX(const float *m, const float *l, const float *acc, int
 DEFINE_MERGE(f32, float, store_f32)
 DEFINE_MERGE(bf16, bf16_t, store_bf16)
 
-#if HAVE_AVX512
+#if HAVE_VECTOR
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc)                              \
     decode_fixed_##SUFFIX(q + b * H * D, k_cache, v_cache, stride_blk, stride_tok, stride_head, \
                           block_tables + b * table_stride, num_blocks, block_size, k0, k1,     \

@@ -79,3 +79,19 @@ def test_runner_picks_threads_by_step_size(tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("packs, flags, expected", [
+    (True, {"avx512f", "avx512_bf16"}, torch.bfloat16),
+    (True, {"amx_bf16"}, torch.bfloat16),
+    (True, {"avx512f", "avx512bw"}, torch.float32),   # oneDNN packs bf16 but emulates the math
+    (False, {"avx2"}, torch.float32),
+])
+def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_math(monkeypatch, packs, flags, expected):
+    from workers import worker_process
+    monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: packs)
+    monkeypatch.setattr(worker_process, "cpu_flags", lambda: flags)
+    cpu = torch.device("cpu")
+    assert worker_process.resolve_dtype("auto", cpu) is expected
+    assert worker_process.resolve_dtype("float16", cpu) is torch.float16
+    assert worker_process.resolve_dtype("bfloat16", cpu) is torch.bfloat16
