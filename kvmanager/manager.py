@@ -68,6 +68,9 @@ class KVCacheManager:
         link_pools(self.gpu_pool, self.cpu_pool)
         self.block_tables = block_tables
         self._free_rows: list[int] = []
+        # Rows of sequences freed while workers may still read them (see hold_rows).
+        self._held_rows: list[int] = []
+        self._holding_rows = False
         if block_tables is not None:
             if not block_tables.is_owner:
                 raise ValueError("the manager must own its shared block tables, not attach them")
@@ -108,9 +111,8 @@ class KVCacheManager:
         return self._seq(seq_id).swapped
 
     def row_of(self, seq_id: int) -> int:
-        """The sequence's row in the shared block tables (stable from allocate to free)."""
-        if self.block_tables is None:
-            raise ValueError("this manager was built without shared block tables")
+        """The sequence's row in the shared block tables (stable from allocate to free), -1
+        for a manager without shared tables."""
         return self._seq(seq_id).row
 
     def stats(self) -> KVStats:
@@ -391,8 +393,25 @@ class KVCacheManager:
         pool = self.cpu_pool if seq.swapped else self.gpu_pool
         pool.free(pool.blocks[b] for b in reversed(seq.block_ids))
         if seq.row >= 0:
-            self.block_tables.array[seq.row].fill(-1)
-            self._free_rows.append(seq.row)
+            if self._holding_rows:
+                self._held_rows.append(seq.row)
+            else:
+                self.block_tables.array[seq.row].fill(-1)
+                self._free_rows.append(seq.row)
+
+    def hold_rows(self, holding: bool) -> None:
+        """While holding, a freed sequence's shared row keeps its entries and is not reused.
+
+        Workers read the rows of a step's sequences when the step starts; the scheduler holds
+        rows from sending a plan until its result is back, so an abort arriving meanwhile
+        cannot blank (or hand to another sequence) a row a worker is about to read. Releasing
+        clears and frees the rows held back."""
+        self._holding_rows = holding
+        if not holding and self._held_rows:
+            for row in self._held_rows:
+                self.block_tables.array[row].fill(-1)
+            self._free_rows.extend(self._held_rows)
+            self._held_rows.clear()
 
     def drop_device_pool(self, unreliable_cpu_blocks=()) -> list[int]:
         """The device pool's bytes are lost (the workers restarted); the host pool survives.

@@ -11,7 +11,7 @@ import msgspec
 
 from pipeline.sampling_params import SamplingParams
 
-__all__ = ["NewSeq", "ScheduledSeq", "Fork", "StepPlan", "StepResult", "AddRequest", "Abort",
+__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepResult", "AddRequest", "Abort",
            "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
@@ -37,6 +37,7 @@ class NewSeq(msgspec.Struct, gc=False):
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    table_row: int = -1  # its row in StepPlan.shared_tables, stable until it is freed; -1: none
 
 
 class ScheduledSeq(msgspec.Struct, gc=False):
@@ -53,6 +54,18 @@ class Fork(msgspec.Struct, gc=False):
 
     parent_id: int
     child_ids: list[int]
+    child_rows: list[int] = msgspec.field(default_factory=list)  # their table rows (if shared)
+
+
+class SharedTables(msgspec.Struct, frozen=True):
+    """The scheduler's block tables in POSIX shared memory (kvmanager.SharedBlockTables):
+    int32 [rows, width], row NewSeq.table_row holding that sequence's block ids. Workers on the
+    same host attach it read-only and take their block tables from it; a worker that cannot
+    attach it uses the block ids of the plans."""
+
+    name: str
+    rows: int
+    width: int
 
 
 class StepPlan(msgspec.Struct, gc=False):
@@ -64,6 +77,7 @@ class StepPlan(msgspec.Struct, gc=False):
     copy: list[tuple[int, int]]  # (src_block, dst_block), copy-on-write
     forks: list[Fork]
     finished_seq_ids: list[int]  # workers drop their state for these
+    shared_tables: SharedTables | None = None
 
 
 class StepResult(msgspec.Struct, gc=False):

@@ -29,6 +29,7 @@ class SeqStep:
     start_pos: int             # position of token_ids[0] == tokens already in the cache
     block_table: list[int]     # covers at least start_pos + len(token_ids) slots
     sample: bool               # whether its last row's logits are wanted
+    table_row: int = -1        # >= 0: take the block table from this row of shared_tables
 
 
 @dataclass(slots=True)
@@ -44,6 +45,9 @@ LARGE_STEP_TOKENS = 256
 
 class ModelRunner:
     _threads: tuple[int, int] | None = None
+    # The scheduler's block tables (int32 [rows, width], read-only shared memory) when the
+    # worker attached them: items with a table_row read their blocks there.
+    shared_tables: np.ndarray | None = None
 
     def __init__(self, config: ModelConfig, model_dir: str | Path | None, dtype: torch.dtype,
                  device: torch.device | str, block_size: int, num_blocks: int,
@@ -105,15 +109,19 @@ class ModelRunner:
         total = int(cu[-1])
         tokens = np.fromiter(chain.from_iterable(items[i].token_ids for i in order), np.int64, total)
 
-        tables_o, num_table_blocks = _pad_block_tables([items[i].block_table for i in order])
+        rows_o = np.fromiter((items[i].table_row for i in order), np.int64, n)
         seq_of_row = np.repeat(np.arange(n), lens_o)
         positions = np.repeat(starts_o - cu[:-1], lens_o) + np.arange(total)
         block_index = positions // bs
-        if (block_index >= num_table_blocks[seq_of_row]).any():
-            bad = int(order[seq_of_row[np.argmax(block_index >= num_table_blocks[seq_of_row])]])
-            raise ValueError(f"item {bad}: block table of {len(items[bad].block_table)} blocks "
-                             f"cannot hold position {items[bad].start_pos + lens[bad] - 1} "
-                             f"at block size {bs}")
+        if self.shared_tables is not None and rows_o.min() >= 0:
+            tables_o = self._shared_block_tables(rows_o, starts_o + lens_o, order)
+        else:
+            tables_o, num_table_blocks = _pad_block_tables([items[i].block_table for i in order])
+            if (block_index >= num_table_blocks[seq_of_row]).any():
+                bad = int(order[seq_of_row[np.argmax(block_index >= num_table_blocks[seq_of_row])]])
+                raise ValueError(f"item {bad}: block table of {len(items[bad].block_table)} "
+                                 f"blocks cannot hold position "
+                                 f"{items[bad].start_pos + lens[bad] - 1} at block size {bs}")
         slots = tables_o[seq_of_row, block_index].astype(np.int64) * bs + positions % bs
         context_lens = (starts_o + lens_o).astype(np.int32)
 
@@ -133,6 +141,28 @@ class ModelRunner:
             prefill_cu_seqlens_q=to((cu[num_decode:] - cu[num_decode]).astype(np.int32)),
             prefill_context_lens=to(context_lens[num_decode:]))
         return StepTensors(to(tokens), to(positions), meta, to(sample_rows))
+
+    def _shared_block_tables(self, rows: np.ndarray, context_lens: np.ndarray,
+                             order: np.ndarray) -> np.ndarray:
+        """int32 [n, width] block tables of the sequences in shared rows `rows`, each read up to
+        the blocks its context needs (every one of those must be set), the rest padded with 0
+        (never read: the context lengths stop before it)."""
+        shared, bs = self.shared_tables, self.block_size
+        needed = (context_lens + bs - 1) // bs
+        width = int(needed.max())
+        if rows.max() >= shared.shape[0] or width > shared.shape[1]:
+            raise ValueError(f"shared block tables [{shared.shape[0]}, {shared.shape[1]}] have "
+                             f"no row {int(rows.max())} or no {width} blocks per row")
+        tables = shared[rows, :width]                  # a private copy of the rows' prefix
+        wanted = np.arange(width) < needed[:, None]
+        unset = (tables < 0) & wanted
+        if unset.any():
+            seq, index = np.argwhere(unset)[0]
+            raise ValueError(f"item {int(order[seq])}: shared block table row {int(rows[seq])} "
+                             f"has no block at index {int(index)} (context of "
+                             f"{int(context_lens[seq])} tokens)")
+        tables[~wanted] = 0
+        return tables
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

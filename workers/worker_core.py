@@ -6,17 +6,20 @@ scheduled sequences, then forks.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 import kernels
-from pipeline.messages import NewSeq, StepPlan, StepResult
+from kvmanager.shm_tables import SharedBlockTables
+from pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
 from pipeline.sampling_params import SamplingParams
 from workers.kv_cache import allocate_swap_pool
 from workers.model_runner import ModelRunner, SeqStep
 from workers.sampler import Sampler
 
+log = logging.getLogger(__name__)
 
 
 def child_sampling(params: SamplingParams, sample_index: int) -> SamplingParams:
@@ -29,12 +32,13 @@ class SeqState:
     token_ids: list[int]          # prompt + outputs known to the workers
     num_prompt_tokens: int
     sampling: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]          # from the plans' diffs
     num_computed_tokens: int
+    table_row: int = -1           # its row in the scheduler's shared block tables
 
-    def clone(self) -> SeqState:
+    def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        list(self.block_ids), self.num_computed_tokens)
+                        list(self.block_ids), self.num_computed_tokens, table_row)
 
 
 class WorkerCore:
@@ -45,13 +49,36 @@ class WorkerCore:
         self.runner, self.sampler = runner, sampler
         self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks, swap_shm_name)
         self.seqs: dict[int, SeqState] = {}
+        self.tables: SharedBlockTables | None = None  # attached per plan.shared_tables
+        self._tables_ref: SharedTables | None = None
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler epoch); the KV cache's bytes are simply
-        overwritten by whatever the next plans compute."""
+        overwritten by whatever the next plans compute. The shared tables are attached again
+        from the next plan (a new scheduler creates a new segment under the same name)."""
         self.seqs.clear()
+        self._attach_tables(None)
+
+    def _attach_tables(self, ref: SharedTables | None) -> None:
+        if ref == self._tables_ref:
+            return
+        self.runner.shared_tables = None
+        if self.tables is not None:
+            self.tables.close()
+        self.tables, self._tables_ref = None, ref
+        if ref is None:
+            return
+        try:
+            self.tables = SharedBlockTables.attach(ref.name, ref.rows, ref.width)
+        except (OSError, ValueError) as exc:  # another host: the plans' block ids serve
+            log.warning("shared block tables %r unavailable (%s); using the plans' block ids",
+                        ref.name, exc)
+            return
+        self.runner.shared_tables = self.tables.array
+        log.info("block tables: reading shared memory %s [%d x %d]", ref.name, ref.rows, ref.width)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
+        self._attach_tables(plan.shared_tables)
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
@@ -67,8 +94,9 @@ class WorkerCore:
         row_ids = list(sampled_ids)
         for fork in plan.forks:
             parent = self._state(fork.parent_id, "fork")
-            for index, child_id in enumerate(fork.child_ids, start=1):
-                child = parent.clone()
+            table_rows = fork.child_rows or [-1] * len(fork.child_ids)
+            for index, (child_id, table_row) in enumerate(zip(fork.child_ids, table_rows), 1):
+                child = parent.clone(table_row)
                 child.sampling = child_sampling(parent.sampling, index)
                 self.seqs[child_id] = child
                 if fork.parent_id in rows:
@@ -82,7 +110,7 @@ class WorkerCore:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-            sampling, list(new.block_ids), new.num_computed_tokens)
+            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         kv_cache = self.runner.kv_cache
@@ -95,6 +123,7 @@ class WorkerCore:
 
     def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
         items, sampled_ids = [], []
+        shared = self.tables is not None
         for scheduled in plan.scheduled:
             state = self._state(scheduled.seq_id, "scheduled")
             state.block_ids.extend(scheduled.new_block_ids)
@@ -104,7 +133,8 @@ class WorkerCore:
                 raise ValueError(f"seq {scheduled.seq_id}: asked to compute tokens [{start}, {end}) "
                                  f"but only {len(state.token_ids)} are known")
             sample = end == len(state.token_ids)
-            items.append(SeqStep(state.token_ids[start:end], start, state.block_ids, sample))
+            row = state.table_row if shared else -1
+            items.append(SeqStep(state.token_ids[start:end], start, state.block_ids, sample, row))
             if sample:
                 sampled_ids.append(scheduled.seq_id)
         return items, sampled_ids

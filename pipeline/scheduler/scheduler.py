@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
+from pipeline.messages import Fork, NewSeq, ScheduledSeq, SharedTables, StepPlan, StepResult
 from pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
 from pipeline.scheduler.admission import RequestRejected, admit_request
 from pipeline.scheduler.config import SchedulerConfig
@@ -79,6 +79,9 @@ class Scheduler:
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []  # the workers still hold state for these
         self._inflight: PlanBuilder | None = None
+        tables = kv_cache.block_tables  # shared-memory rows the workers may read instead
+        self._shared_tables = None if tables is None else SharedTables(
+            tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
@@ -141,6 +144,7 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError(f"schedule() called again before update() for step "
                                f"{self._inflight.step_id}")
+        self.kv.hold_rows(False)  # the last plan's step is over: rows freed since are reusable
         b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
         if self.policy.preempts_for_waiting and self.waiting and self.num_running:
@@ -160,8 +164,9 @@ class Scheduler:
         self.iteration_tokens = self.config.max_num_batched_tokens - b.budget
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         self._inflight = b
+        self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
         return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
-                        b.forks, finished)
+                        b.forks, finished, self._shared_tables)
 
     def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
         """The general path for a running sequence: may preempt, resend or compute several."""
@@ -376,7 +381,7 @@ class Scheduler:
             npr = seq.num_prompt_tokens
             b.new_seqs.append(NewSeq(sid, tokens[:npr], tokens[npr:],
                                      seq.request.sampling.for_sample(seq.index),
-                                     block_ids, seq.num_computed_tokens))
+                                     block_ids, seq.num_computed_tokens, self.kv.row_of(sid)))
             seq.needs_full_send = False
             seq.num_blocks_sent = len(block_ids)
             seq.num_tokens_sent = len(tokens)
@@ -422,7 +427,8 @@ class Scheduler:
             children.append(child)
         self.num_running += len(children)
         self.num_unforked -= len(children)
-        b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
+        rows = [self.kv.row_of(c.seq_id) for c in children] if self._shared_tables else []
+        b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children], rows))
         b.fork_children.extend(children)
 
     # ------------------------------------------------------------------ results

@@ -128,3 +128,23 @@ def test_manager_keeps_rows_in_sync(tables):
     for seq_id in m.seq_ids():
         m.free(seq_id)
     assert (tables.array == -1).all()
+
+
+def test_held_rows_keep_their_blocks_until_released(tables):
+    m = KVCacheManager(12, block_size=4, block_tables=tables, watermark=0.0)
+    m.allocate(1, list(range(6)), 6)
+    m.allocate(2, [3] * 3, 3)
+    row1 = m.row_of(1)
+    m.hold_rows(True)                      # a plan naming seq 1 is in flight
+    m.free(1)                              # its abort arrives meanwhile
+    assert 1 not in m and tables.array[row1].tolist() == [0, 1, -1, -1, -1, -1]
+    m.allocate(3, [9], 1)
+    assert m.row_of(3) != row1             # the held row is not handed out
+    assert m.num_free_blocks == 12 - 2     # the blocks themselves are free at once
+    m.hold_rows(False)                     # the step is over
+    assert tables.array[row1].tolist() == [-1] * 6
+    m.allocate(4, [9, 9], 2)
+    assert m.row_of(4) == row1             # and the row is reused
+    row2 = m.row_of(2)
+    m.free(2)                              # not holding: cleared at once
+    assert tables.array[row2].tolist() == [-1] * 6

@@ -166,7 +166,8 @@ def test_plan_round_trips_through_msgpack():
     wire = msgspec.msgpack.encode(plan)
     assert msgspec.msgpack.decode(wire, type=StepPlan) == plan
     plain = msgpack.unpackb(wire)
-    assert plain["step_id"] == 0 and plain["forks"] == [{"parent_id": 0, "child_ids": [1]}]
+    assert plain["step_id"] == 0 and plain["shared_tables"] is None
+    assert plain["forks"] == [{"parent_id": 0, "child_ids": [1], "child_rows": []}]
     new = plain["new_seqs"][0]
     assert new["prompt_token_ids"] == [1, 2, 3, 4, 5, 6] and new["block_ids"] == [0, 1]
     assert new["sampling"]["n"] == 2 and new["sampling"]["temperature"] == 0.5
