@@ -40,6 +40,17 @@ def timed(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def cpu_info() -> dict:
+    """What decides the CPU figures, for comparing runs across hosts: torch's vector ISA, whether
+    oneDNN multiplies bf16 natively (else bf16 matmuls are emulated) and the dtype `--dtype auto`
+    serves."""
+    from workers.models.layers import bf16_prepack_supported
+    from workers.worker_process import resolve_dtype
+    return {"cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            "bf16_packed": bf16_prepack_supported(),
+            "auto_dtype": str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")}
+
+
 def linear_shapes(config) -> list[tuple[int, int, int]]:
     """(in, out, count) of every matmul in one forward, the LM head included."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
@@ -128,7 +139,7 @@ def main() -> None:
     report = {"model": args.model, "dtype": args.dtype, "context": args.context,
               "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
               "matmul_gflops": round(flops / 1e9, 1),
-              "roofline_tok_s": round(roofline, 1)}
+              "roofline_tok_s": round(roofline, 1), **cpu_info()}
     for batch in batches:
         seconds = bench_runner(runner, batch, args.context, repeats=max(3, int(40 / batch ** 0.5)))
         report[f"step_ms_b{batch}"] = round(seconds * 1e3, 2)

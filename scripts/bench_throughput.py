@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{ours['total_tok_s']:.1f} total tok/s ({100 * ours['output_tok_s'] / roofline:.1f}% "
           f"of roofline)", flush=True)
 
-    report = {"model": args.model, "dtype": args.dtype, "device": device,
+    import bench_step
+    report = {"model": args.model, "dtype": args.dtype, "device": device, **bench_step.cpu_info(),
               "prompt_format": args.prompt_format, "num_prompts": len(requests),
               "elapsed_s": round(ours["elapsed_s"], 2), "requests_s": round(ours["requests_s"], 3),
               "output_tok_s": round(ours["output_tok_s"], 1),
