@@ -29,6 +29,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.content = {"gpu": {}, "cpu": {}}  # block id -> list of BS slots (None = garbage)
         self.history: list[list[int]] = []
+        self.holding = False
+        self.held: dict[int, list[int]] = {}  # row -> its entries when its sequence was freed
 
     def teardown(self):
         self.tables.close()
@@ -92,14 +94,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         self._write(seq_id, cached, cached + num_new)
         self.m.cache_blocks(seq_id, prompt, cached + num_new)
 
-    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @precondition(lambda self: len(self.seqs) + len(self.held) < MAX_SEQS)
     @rule(base=st.integers(0, len(BASES) - 1), length=st.integers(1, 24),
           tail=st.lists(st.integers(0, 9), max_size=6), chunk=st.integers(1, 30),
           salt=st.sampled_from([None, None, "s"]))
     def allocate(self, base, length, tail, chunk, salt):
         self._allocate(BASES[base][:length] + tail, chunk, salt)
 
-    @precondition(lambda self: len(self.seqs) < MAX_SEQS and self.history)
+    @precondition(lambda self: len(self.seqs) + len(self.held) < MAX_SEQS and self.history)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 9), min_size=1, max_size=3),
           chunk=st.integers(1, 30))
     def prefix_hit(self, data, extra, chunk):
@@ -189,7 +191,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert self.m.num_tokens(seq_id) == seq.filled
         event("commit")
 
-    @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQS)
+    @precondition(lambda self: self.seqs and len(self.seqs) + len(self.held) < MAX_SEQS)
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
@@ -206,10 +208,21 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), abort=st.booleans())
     def free(self, data, abort):
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        row = self.m.row_of(seq_id)
+        if self.holding:  # a plan naming it may be in flight: its row must stay readable
+            self.held[row] = self.tables.array[row].tolist()
         self.m.free(seq_id)  # abort is a free
         del self.seqs[seq_id]
         with pytest.raises(KeyError, match="not allocated"):
             self.m.free(seq_id)
+
+    @rule(holding=st.booleans())
+    def hold_rows(self, holding):
+        """A plan goes out (hold) or the next schedule starts (release)."""
+        self.m.hold_rows(holding)
+        self.holding = holding
+        if not holding:
+            self.held.clear()
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -306,7 +319,10 @@ class KVManagerMachine(RuleBasedStateMachine):
             used_rows.add(row)
             want = [] if self.m.is_swapped(seq_id) else self.m.block_table(seq_id)
             assert self.tables.array[row].tolist() == want + [-1] * (NUM_GPU - len(want))
-        for row in set(range(MAX_SEQS)) - used_rows:
+        assert not used_rows & set(self.held)  # a held row is handed to no one
+        for row, entries in self.held.items():
+            assert self.tables.array[row].tolist() == entries
+        for row in set(range(MAX_SEQS)) - used_rows - set(self.held):
             assert (self.tables.array[row] == -1).all()
 
     @invariant()
