@@ -11,12 +11,11 @@ import msgspec
 
 from pipeline.sampling_params import SamplingParams
 
-__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepResult", "AddRequest", "Abort",
-           "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
+__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepResult", "AddRequest",
+           "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
-           "Reset", "StepTimeout", "RoleDown", "RoleRestarted", "GroupFailed",
-           "Heartbeat"]
+           "Reset", "StepTimeout", "RoleDown", "RoleRestarted", "GroupFailed", "Heartbeat"]
 
 
 # ---------------------------------------------------------------------------------------------
