@@ -41,21 +41,11 @@ def resolve_dtype(name: str, device):
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    from kernels import native as native_kernels
     from workers.models.layers import bf16_prepack_supported
-    native = bf16_prepack_supported() and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    native = (bf16_prepack_supported()
+              and bool(native_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"}))
     return torch.bfloat16 if native else torch.float32
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def build_core(cfg: EngineConfig, rank: int):

@@ -35,7 +35,7 @@ def _cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def _cpu_flags() -> str:
+def _cpu_flags_line() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -43,6 +43,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (avx2, avx512f, amx_bf16, ...; empty where /proc/cpuinfo has
+    none): what -march=native builds for, and what other CPU choices go by."""
+    line = _cpu_flags_line()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
 def _flags() -> tuple[str, ...]:
@@ -55,7 +62,7 @@ def _build_key(compiler: str, source: bytes) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (source, " ".join(_flags()).encode(), version.encode(), _cpu_flags().encode(),
+    for part in (source, " ".join(_flags()).encode(), version.encode(), _cpu_flags_line().encode(),
                  platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")

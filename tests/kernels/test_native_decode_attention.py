@@ -139,17 +139,10 @@ print("ok")
 """
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f " in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("cflags", [
     pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(
-        not _has_avx512(), reason="the default build of this CPU is the AVX2 one")),
+        "avx512f" not in native.cpu_flags(),
+        reason="the default build of this CPU is the AVX2 one")),
     pytest.param("-mno-avx512f -mno-avx2 -mno-fma", id="portable")])
 def test_narrower_isa_builds_match_the_reference(tmp_path, cflags):
     # On an AVX-512 CPU -march=native takes the 16-lane path; these builds check the 8-lane

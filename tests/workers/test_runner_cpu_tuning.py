@@ -88,9 +88,10 @@ def test_runner_picks_threads_by_step_size(tmp_path):
     (False, {"avx2"}, torch.float32),
 ])
 def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_math(monkeypatch, packs, flags, expected):
+    from kernels import native
     from workers import worker_process
     monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: packs)
-    monkeypatch.setattr(worker_process, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
     assert worker_process.resolve_dtype("auto", cpu) is expected
     assert worker_process.resolve_dtype("float16", cpu) is torch.float16
