@@ -355,7 +355,10 @@ class KVCacheManager:
         block_ids += new_ids
         seq.num_tokens = num_tokens
         if seq.row >= 0:
-            self.block_tables.array[seq.row, num_blocks:num_blocks + num_new] = new_ids
+            if num_new == 1:  # a decode crossing into its next block: a scalar store is cheaper
+                self.block_tables.array[seq.row, num_blocks] = new_ids[0]
+            else:
+                self.block_tables.array[seq.row, num_blocks:num_blocks + num_new] = new_ids
         return new_ids
 
     def _reject_append(self, seq_id: int, seq: _SeqBlocks | None, num_new_tokens: int):

@@ -23,7 +23,7 @@ __all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepRe
 #
 # A plan is a diff against what the workers already hold. Workers apply, in this order:
 # finished_seq_ids (drop state), new_seqs (create or replace state), swap_out, swap_in, copy,
-# then compute `scheduled`, then forks.
+# then compute the decode columns and `scheduled` (in that order), then forks.
 # ---------------------------------------------------------------------------------------------
 
 class NewSeq(msgspec.Struct, gc=False):
@@ -77,6 +77,26 @@ class StepPlan(msgspec.Struct, gc=False):
     forks: list[Fork]
     finished_seq_ids: list[int]  # workers drop their state for these
     shared_tables: SharedTables | None = None
+    # Steady decodes, as columns rather than one ScheduledSeq each: every sequence here computes
+    # one token, the one it sampled last (sent alongside), in blocks the workers already hold.
+    # They come before `scheduled` in the batch and in the result's rows.
+    decode_seq_ids: list[int] = []
+    decode_token_ids: list[int] = []
+
+    def seq_steps(self) -> list[ScheduledSeq]:
+        """Every sequence this step computes, in batch order, the decode columns spelled out as
+        ScheduledSeq entries (for tests, logs and tools; the hot paths read the columns)."""
+        return [ScheduledSeq(sid, 1, [], [tok])
+                for sid, tok in zip(self.decode_seq_ids, self.decode_token_ids)] + self.scheduled
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.decode_seq_ids) + len(self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return len(self.decode_seq_ids) + sum(s.num_tokens for s in self.scheduled)
 
 
 class StepResult(msgspec.Struct, gc=False):

@@ -215,7 +215,7 @@ class SchedulerProcess:
         plan = scheduler.schedule(time.time())
         self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         self.faults.on_message(step=plan.step_id)
-        if not (plan.scheduled or plan.new_seqs or plan.swap_out or plan.swap_in or plan.copy
+        if not (plan.decode_seq_ids or plan.scheduled or plan.new_seqs or plan.swap_out or plan.swap_in or plan.copy
                 or plan.forks or plan.finished_seq_ids):
             # Nothing can run now (e.g. waiting for blocks that an abort will free).
             scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
@@ -253,11 +253,11 @@ class SchedulerProcess:
 
     def _trace_step(self, plan: messages.StepPlan) -> None:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and how long it took."""
-        decodes = sum(1 for s in plan.scheduled if s.num_tokens == 1)
-        tokens = sum(s.num_tokens for s in plan.scheduled)
+        decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        tokens = plan.num_tokens
         self.trace.write(json.dumps({
             "step": plan.step_id, "decode_seqs": decodes, "prefill_tokens": tokens - decodes,
-            "prefill_seqs": len(plan.scheduled) - decodes,
+            "prefill_seqs": plan.num_scheduled - decodes,
             "compute_ms": round((time.monotonic() - self.inflight_since) * 1e3, 2),
             "schedule_ms": round(self.last_schedule_ms, 3),
             "waiting": len(self.service.scheduler.waiting)}) + "\n")

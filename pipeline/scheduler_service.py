@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pipeline import messages
 from pipeline.scheduler import QueueFull, RequestRejected, Scheduler
-from pipeline.sequence import Request, SequenceOutput
+from pipeline.sequence import Request, StepOutputs
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests
@@ -100,7 +100,7 @@ class SchedulerService:
 
     def on_abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._forward(self.scheduler.abort(rid), step_id=-1)
+            self._forward(StepOutputs([], [], self.scheduler.abort(rid)), step_id=-1)
 
     def on_stop_matched(self, msg: messages.StopMatched) -> None:
         # The detokenizer already told the client; only the scheduler's state must follow.
@@ -165,14 +165,24 @@ class SchedulerService:
     # -- steps ---------------------------------------------------------------------------------
     def on_step_result(self, plan: messages.StepPlan, result: messages.StepResult) -> None:
         outputs = self.scheduler.update(plan, result, self.clock())
-        self.iteration_tokens.observe(sum(s.num_tokens for s in plan.scheduled))
+        self.iteration_tokens.observe(plan.num_tokens)
         self._forward(outputs, plan.step_id)
 
-    def _forward(self, outputs: list[SequenceOutput], step_id: int) -> None:
-        if not outputs:
-            return
+    def _forward(self, outputs: StepOutputs, step_id: int) -> None:
         samples = []
-        for out in outputs:
+        # The columns: one token each, nothing finished, no logprobs.
+        owners, sample = self.owners, messages.SampleTokens
+        for seq, token in zip(outputs.seqs, outputs.token_ids):
+            rid, index = seq.request.request_id, seq.index
+            owner = owners.get(rid)
+            if owner is None:
+                continue
+            sent = owner.sent
+            offset = sent[index]
+            sent[index] = offset + 1
+            samples.append(sample(request_id=rid, index=index, token_ids=[token], offset=offset,
+                                  num_prompt_tokens=owner.num_prompt_tokens))
+        for out in outputs.others:
             owner = self.owners.get(out.request_id)
             if owner is None:
                 continue

@@ -11,6 +11,7 @@ caught up.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as CollectionSequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -89,7 +90,7 @@ class Sequence:
                  "num_computed_tokens", "num_reserved_tokens", "num_kv_tokens", "shared_tail",
                  "status", "parent_id",
                  "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
-                 "last_step", "preempted_step")
+                 "last_step", "preempted_step", "lane_cap")
 
     def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int],
                  parent_id: int | None = None) -> None:
@@ -114,6 +115,9 @@ class Sequence:
         self.step_tokens = 0  # tokens it computes in the plan in flight
         self.last_step = -1  # last step that scheduled it
         self.preempted_step = -1  # not re-admitted in the step that pushed it out
+        # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
+        # plan's decode columns (scheduler/decode.py, lane_cap()); -1: take the general path.
+        self.lane_cap = -1
 
     # Convenience views; the hot paths use token_ids / num_prompt_tokens directly.
     @property
@@ -172,3 +176,50 @@ class SequenceOutput(msgspec.Struct, gc=False):
     request_finished: bool = False  # every sample of the request is done
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class StepOutputs(CollectionSequence):
+    """What `Scheduler.update` returns for one step: a SequenceOutput per sample that gained a
+    token. The plain ones (one token, not finished, no logprobs: nearly all of them) stay as two
+    parallel columns - the sample's Sequence and its token - which the scheduler process
+    forwards without building an object per sample; `others` holds the rest, in plan order.
+    Indexing and iterating give SequenceOutputs (built on demand), the columns first.
+    """
+
+    __slots__ = ("seqs", "token_ids", "others")
+
+    def __init__(self, seqs: list[Sequence], token_ids: list[int],
+                 others: list[SequenceOutput]) -> None:
+        self.seqs = seqs
+        self.token_ids = token_ids
+        self.others = others
+
+    def __len__(self) -> int:
+        return len(self.seqs) + len(self.others)
+
+    def _column(self, i: int) -> SequenceOutput:
+        seq = self.seqs[i]
+        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.seqs)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("StepOutputs index out of range")
+        return self._column(i) if i < n else self.others[i - n]
+
+    def __iter__(self):
+        for i in range(len(self.seqs)):
+            yield self._column(i)
+        yield from self.others
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StepOutputs, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({list(self)!r})"

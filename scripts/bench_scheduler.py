@@ -22,8 +22,9 @@ from pipeline.sequence import Request  # noqa: E402
 
 
 def fake_result(plan) -> StepResult:
-    """A token for every scheduled sequence that reaches the end of its tokens (all decodes)."""
-    seq_ids = [s.seq_id for s in plan.scheduled]
+    """A token for every scheduled sequence that reaches the end of its tokens (all decodes),
+    in plan order: the decode columns, then `scheduled`."""
+    seq_ids = plan.decode_seq_ids + [s.seq_id for s in plan.scheduled]
     return StepResult(plan.step_id, seq_ids, [7] * len(seq_ids), None, None)
 
 
@@ -80,7 +81,7 @@ def main() -> None:
         times.append((t1 - t0 + t3 - t2) * 1e3)
         cpu_times.append((c1 - c0 + c3 - c2) * 1e3)
         now += 1
-        assert len(plan.scheduled) == args.running
+        assert plan.num_scheduled == args.running
     p50, p99 = percentiles(times)
     cpu_p50, cpu_p99 = percentiles(cpu_times)
     print(f"{args.running} running, {args.waiting} waiting, {args.cycles} cycles: "

@@ -87,8 +87,11 @@ class WorkerCore:
 
         items, sampled_ids = self._collect(plan)
         logits = self.runner.execute(items)
+        seqs = self.seqs
+        for seq_id in plan.decode_seq_ids:
+            seqs[seq_id].num_computed_tokens += 1
         for scheduled in plan.scheduled:
-            self.seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_tokens
+            seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_tokens
 
         rows = {seq_id: row for row, seq_id in enumerate(sampled_ids)}
         row_ids = list(sampled_ids)
@@ -124,6 +127,20 @@ class WorkerCore:
     def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
         items, sampled_ids = [], []
         shared = self.tables is not None
+        if len(plan.decode_token_ids) != len(plan.decode_seq_ids):
+            raise ValueError(f"plan {plan.step_id} has {len(plan.decode_seq_ids)} decode_seq_ids "
+                             f"but {len(plan.decode_token_ids)} decode_token_ids")
+        for seq_id, token in zip(plan.decode_seq_ids, plan.decode_token_ids):
+            state = self._state(seq_id, "decoding")
+            tokens = state.token_ids
+            start = state.num_computed_tokens
+            if start != len(tokens):
+                raise ValueError(f"seq {seq_id}: a decode column entry, but {len(tokens) - start} "
+                                 f"of its known tokens are not computed yet")
+            tokens.append(token)
+            items.append(SeqStep([token], start, state.block_ids, True,
+                                 state.table_row if shared else -1))
+        sampled_ids.extend(plan.decode_seq_ids)
         for scheduled in plan.scheduled:
             state = self._state(scheduled.seq_id, "scheduled")
             state.block_ids.extend(scheduled.new_block_ids)

@@ -1,17 +1,20 @@
 """The scheduler's per-sequence hot loops, run for every running sequence on every step.
 
 `schedule_running` plans one token for each decoding sequence and `apply_result` applies the
-sampled tokens in `update`. Both inline the common case (a decode in a sequence's own blocks,
-nothing to resend, no preemption, no stop) with every attribute looked up once, and hand anything
-else to the scheduler's general methods, so plans and outputs are exactly what those give.
+sampled tokens in `update`. The steady case - a decode in blocks the workers already hold, with
+nothing else to send, that cannot finish by length - is a *lane*: while
+``len(token_ids) <= seq.lane_cap`` (set by `lane_cap` whenever the sequence is planned any other
+way) it goes into the plan's decode columns with a handful of attribute writes, and its sampled
+token into StepOutputs' columns, without a message object either way. The next common case (a
+decode that needs a new block) is inlined too; anything else goes to the scheduler's general
+methods, at the same point in the order, so plans and outputs are exactly what those give.
 """
 from __future__ import annotations
 
-from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepResult
-from pipeline.sequence import Sequence, SequenceOutput, SequenceStatus
+from pipeline.sequence import Sequence, SequenceOutput, SequenceStatus, StepOutputs
 
 if TYPE_CHECKING:
     from pipeline.scheduler.scheduler import Scheduler
@@ -26,7 +29,7 @@ class PlanBuilder:
     """The lists of one step's plan, plus the token budget left."""
 
     __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
-                 "forks", "decoded", "num_decoded", "seqs", "fork_children")
+                 "forks", "lanes", "lane_ids", "lane_tokens", "seqs", "fork_children")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -37,12 +40,26 @@ class PlanBuilder:
         self.swap_in: list[tuple[int, int]] = []
         self.copy: list[tuple[int, int]] = []
         self.forks: list[Fork] = []
-        # The planned sequences, in plan order: decoded[:num_decoded] (the running list, when
-        # every running sequence kept was planned), then seqs.
-        self.decoded: list[Sequence] = []
-        self.num_decoded = 0
+        # The planned sequences in plan (and result-row) order: the lanes (the plan's decode
+        # columns lane_ids / lane_tokens), then seqs (one ScheduledSeq each).
+        self.lanes: list[Sequence] = []
+        self.lane_ids: list[int] = []
+        self.lane_tokens: list[int] = []
         self.seqs: list[Sequence] = []
         self.fork_children: list[Sequence] = []
+
+
+def lane_cap(seq: Sequence, block_size: int) -> int:
+    """For a sequence just planned to compute up to the end of its tokens: the largest token
+    count at which its following steps are lanes. A lane's slot lies in the blocks the workers
+    hold (not a shared last block), the workers need nothing else about it, and the token it
+    samples leaves it short of max_tokens (so `update` need not check the length). -1: none."""
+    n = len(seq.token_ids)
+    if (seq.shared_tail or seq.needs_full_send or seq.num_reserved_tokens != n
+            or seq.num_tokens_sent != n):
+        return -1
+    return min(seq.num_blocks_sent * block_size,
+               seq.num_prompt_tokens + seq.request.max_output_tokens - 2)
 
 
 class ResultRows:
@@ -70,24 +87,34 @@ class ResultRows:
 
 def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequence]) -> None:
     """One token for every decoding sequence, in running order; fills `new_running` (the
-    running list from this step on) and records the planned ones, in plan order, in `b`.
+    running list from this step on) and records the planned ones in `b`.
 
-    The fast case: computing its last sampled token (one new slot) with nothing to resend.
-    The slot lies in the blocks the workers already have (held lazily, reported to the manager
-    later) or takes new blocks from `reserve_slots`; anything else (no budget, a recompute
-    catching up, a copy-on-write, a short pool and its preemptions) goes to
+    Lanes go to the decode columns. A decode whose slot needs a new block takes it from
+    `reserve_slots` here (a shared last block or a short pool fails that); anything else (no
+    budget, a recompute catching up, a resend, a copy-on-write, preemptions) goes to
     `sched._schedule_one_running`, at the same point in the order.
     """
     reserve = sched.kv.reserve_slots
     general = sched._schedule_one_running
-    add, keep = b.scheduled.append, new_running.append
+    add, add_seq, keep = b.scheduled.append, b.seqs.append, new_running.append
+    add_lane, add_lane_id, add_lane_token = b.lanes.append, b.lane_ids.append, b.lane_tokens.append
     bs, step_id, running = sched.block_size, b.step_id, RUNNING
     budget = b.budget
     for seq in sched.running:
-        if seq.status is not running:
-            continue  # finished or preempted since
         tokens = seq.token_ids
         n = len(tokens)
+        if n <= seq.lane_cap and budget > 0:  # (a finished or preempted one's lane_cap is -1)
+            add_lane(seq)
+            add_lane_id(seq.seq_id)
+            add_lane_token(tokens[-1])
+            seq.num_reserved_tokens = seq.num_tokens_sent = n
+            seq.step_tokens = 1
+            seq.last_step = step_id
+            budget -= 1
+            keep(seq)
+            continue
+        if seq.status is not running:
+            continue  # finished or preempted since
         if (seq.num_computed_tokens + 1 != n or seq.num_reserved_tokens >= n
                 or seq.needs_full_send or budget <= 0):
             b.budget = budget
@@ -110,38 +137,99 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
         sent = seq.num_tokens_sent
         add(ScheduledSeq(seq.seq_id, 1, new_blocks,
                          [tokens[sent]] if sent + 1 == n else tokens[sent:]))
+        add_seq(seq)
         seq.num_tokens_sent = n
         seq.step_tokens = 1
         seq.last_step = step_id
+        seq.lane_cap = lane_cap(seq, bs)
         budget -= 1
         keep(seq)
     b.budget = budget
-    # Every planned sequence was kept (nothing preempts what this step already planned), in
-    # plan order, so when none was kept unplanned the kept ones are b.seqs.
-    if len(b.scheduled) == len(new_running):
-        b.decoded, b.num_decoded = new_running, len(new_running)
-        b.seqs = []
-    else:  # some were kept without being planned (no budget left, nothing to compute)
-        b.seqs = [seq for seq in new_running if seq.last_step == step_id]
 
 
-def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[SequenceOutput]:
+def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> StepOutputs:
     """Advance every planned sequence by the tokens it computed and append its sampled token;
-    returns the outputs in plan order (fork children last), stop rules applied."""
-    outputs: list[SequenceOutput] = []
+    returns the outputs (the plain ones as columns, the rest in plan order, fork children
+    last), stop rules applied."""
     rows = ResultRows(result)
+    seq_ids, token_ids = result.seq_ids, result.token_ids
+    lanes = b.lanes
+    num_lanes = len(lanes)
+    out = StepOutputs([], [], [])
+    plain = result.logprobs is None and result.top_logprobs is None
+    if plain and seq_ids[:num_lanes] == b.lane_ids:
+        _apply_lanes(sched, lanes, token_ids, result, out)
+        _apply_general(sched, b.seqs, rows, num_lanes, plain, out)
+    else:  # logprobs to pass on, or rows out of order: one sequence at a time
+        _apply_general(sched, lanes + b.seqs, rows, 0, plain, out)
+    others, finish_sampled = out.others, sched._finish_sampled
+    for seq in b.fork_children:
+        if seq.status is RUNNING:
+            row = rows.find(seq.seq_id)
+            token = token_ids[row]
+            seq.token_ids.append(token)
+            others.append(finish_sampled(seq, token, row, result))
+    return out
+
+
+def _apply_lanes(sched: Scheduler, lanes: list[Sequence], token_ids: list[int],
+                 result: StepResult, out: StepOutputs) -> None:
+    """The lanes' rows, which lead the result in plan order: each computed one token and
+    sampled one; a lane cannot reach max_tokens, so only a stop id can finish it. The output
+    columns are the lanes list itself and a slice of the result unless some lane is left out
+    (aborted meanwhile, or stopped)."""
+    bs = sched.block_size
+    caching = sched.config.enable_prefix_caching
+    check_stops = not sched.stop_id_union.isdisjoint(token_ids)
+    commit, finish_sampled = sched.kv.commit_blocks, sched._finish_sampled
+    running = RUNNING
+    filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
+    left_out = []  # rows not in the columns
+    row = -1
+    for seq in lanes:
+        row += 1
+        if seq.status is not running:
+            left_out.append(row)  # aborted or stopped while the step ran
+            continue
+        new = seq.num_computed_tokens = seq.num_computed_tokens + 1
+        tokens = seq.token_ids
+        if caching and not new % bs:  # a block filled up: make it findable
+            held = seq.num_kv_tokens
+            if new > held:  # report the slots held lazily too
+                held = seq.num_kv_tokens = seq.num_reserved_tokens
+            filled.append((seq.seq_id, tokens, held, new))
+        token = token_ids[row]
+        tokens.append(token)
+        if check_stops and token in seq.request.stop_ids:
+            if filled:  # in order, and before a finished sequence frees its blocks
+                commit(filled)
+                filled = []
+            out.others.append(finish_sampled(seq, token, row, result))
+            left_out.append(row)
+    if filled:
+        commit(filled)
+    if not left_out:
+        out.seqs, out.token_ids = lanes, token_ids[:len(lanes)]
+    else:
+        skip = set(left_out)
+        out.seqs = [seq for r, seq in enumerate(lanes) if r not in skip]
+        out.token_ids = [t for r, t in enumerate(token_ids[:len(lanes)]) if r not in skip]
+
+
+def _apply_general(sched: Scheduler, seqs: list[Sequence], rows: ResultRows, cursor: int,
+                   plain: bool, out: StepOutputs) -> None:
+    """Any planned sequences, in plan order, from result row `cursor` on."""
+    result = rows.result
     bs = sched.block_size
     caching = sched.config.enable_prefix_caching
     commit, finish_sampled = sched.kv.commit_blocks, sched._finish_sampled
-    emit = outputs.append
-    plain = result.logprobs is None and result.top_logprobs is None
     # Rows come in plan order: a cursor finds them, the index only what is out of order. The
     # sentinel ends the rows without a bounds check per sequence.
     seq_ids, token_ids = [*result.seq_ids, None], result.token_ids
-    cursor = 0
     running = RUNNING
     filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
-    for seq in chain(islice(b.decoded, b.num_decoded), b.seqs):
+    plain_seqs, plain_tokens = [], []
+    for seq in seqs:
         if seq.status is not running:
             continue  # aborted or stopped while the step ran
         step = seq.step_tokens
@@ -162,19 +250,15 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> list[S
         req = seq.request
         if (plain and token not in req.stop_ids
                 and new - seq.num_prompt_tokens + 1 < req.max_output_tokens):
-            emit(SequenceOutput(req.request_id, seq.index, [token]))
+            plain_seqs.append(seq)
+            plain_tokens.append(token)
         else:
             if filled:  # in order, and before a finished sequence frees its blocks
                 commit(filled)
                 filled = []
-            emit(finish_sampled(seq, token, cursor - 1, result))
+            out.others.append(finish_sampled(seq, token, cursor - 1, result))
     if filled:
         commit(filled)
-    for seq in b.fork_children:
-        if seq.status is running:
-            row = rows.find(seq.seq_id)
-            token = token_ids[row]
-            seq.token_ids.append(token)
-            emit(finish_sampled(seq, token, row, result))
-    return outputs
-
+    if plain_seqs:
+        out.seqs = out.seqs + plain_seqs
+        out.token_ids = out.token_ids + plain_tokens

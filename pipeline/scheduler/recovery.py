@@ -31,6 +31,7 @@ def requeue_for_recompute(scheduler) -> int:
         seq.num_tokens_sent = seq.num_blocks_sent = seq.step_tokens = 0
         seq.needs_full_send = True
         seq.preempted_step = -1
+        seq.lane_cap = -1
         key = (scheduler.policy.key(seq), seq)
         if seq.seq_id in kv and seq.seq_id not in dropped:  # swapped out, host copy intact
             seq.status = SequenceStatus.SWAPPED

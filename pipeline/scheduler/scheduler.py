@@ -16,13 +16,13 @@ import heapq
 from dataclasses import dataclass
 
 from pipeline.messages import Fork, NewSeq, ScheduledSeq, SharedTables, StepPlan, StepResult
-from pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
+from pipeline.scheduler.decode import PlanBuilder, apply_result, lane_cap, schedule_running
 from pipeline.scheduler.admission import RequestRejected, admit_request
 from pipeline.scheduler.config import SchedulerConfig
 from pipeline.scheduler.policy import make_policy
 from pipeline.scheduler.preemption import SWAP, PreemptionChooser
 from pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
-                               Sequence, SequenceOutput, SequenceStatus)
+                               Sequence, SequenceOutput, SequenceStatus, StepOutputs)
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -54,6 +54,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Every stop id any request has had: a step none of whose tokens is here stops nothing.
+        self.stop_id_union: set[int] = set(self.eos_token_ids)
         self.policy = make_policy(config.policy)
         self.preemption = PreemptionChooser(config.preemption_mode, config.swap_threshold_tokens)
         self.block_size = config.block_size
@@ -105,6 +107,8 @@ class Scheduler:
                               num_queued=self.num_queued_requests)
         seq = self._new_seq(state, 0, list(request.prompt_token_ids) + list(request.output_token_ids))
         self.requests[state.request_id] = state
+        if not state.stop_ids <= self.stop_id_union:
+            self.stop_id_union |= state.stop_ids
         self.num_queued_requests += 1
         self._push_waiting(seq)
 
@@ -166,7 +170,7 @@ class Scheduler:
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
         return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
-                        b.forks, finished, self._shared_tables)
+                        b.forks, finished, self._shared_tables, b.lane_ids, b.lane_tokens)
 
     def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
         """The general path for a running sequence: may preempt, resend or compute several."""
@@ -360,6 +364,7 @@ class Scheduler:
         self._remove_running(seq)
         seq.preempted_step = b.step_id
         seq.needs_full_send = True  # swap-in and recompute both change its block table
+        seq.lane_cap = -1
         if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
             b.swap_out.extend(kv.swap_out(seq.seq_id))
             seq.status = SWAPPED
@@ -400,9 +405,12 @@ class Scheduler:
         seq.last_step = b.step_id
         b.seqs.append(seq)
         b.budget -= num_tokens
-        req = seq.request
-        if not req.forked and seq.num_computed_tokens + num_tokens == len(tokens):
-            self._fork(seq, b)
+        if seq.num_computed_tokens + num_tokens == len(tokens):  # it samples
+            if not seq.request.forked:
+                self._fork(seq, b)
+            seq.lane_cap = lane_cap(seq, self.block_size)
+        else:
+            seq.lane_cap = -1
 
     def _fork(self, parent: Sequence, b: PlanBuilder) -> None:
         """The step that completes the parent's prompt: its n - 1 siblings share every block
@@ -433,7 +441,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceOutput]:
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         """Apply the workers' sampled tokens; returns what each sample of each request gained."""
         b = self._inflight
         if b is None or plan.step_id != b.step_id:
@@ -497,6 +505,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> bool:
         """Release a sequence; returns whether that finished its whole request."""
+        seq.lane_cap = -1
         if seq.status is RUNNING:
             self._remove_running(seq)
             self.kv.free(seq.seq_id)

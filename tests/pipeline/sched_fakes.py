@@ -65,8 +65,11 @@ class FakeWorker:
         for src, dst in plan.copy:
             self.gpu[dst] = list(self.gpu[src])
         seq_ids, token_ids = [], []
-        for s in plan.scheduled:
+        assert len(plan.decode_seq_ids) == len(plan.decode_token_ids)
+        for i, s in enumerate(plan.seq_steps()):  # the decode columns first
             st = self.seqs[s.seq_id]
+            if i < len(plan.decode_seq_ids):
+                assert st.num_computed == len(st.tokens), f"decode of {s.seq_id} is not its last token"
             st.table.extend(s.new_block_ids)
             st.tokens.extend(s.new_token_ids)
             end = st.num_computed + s.num_tokens
@@ -149,7 +152,7 @@ def brief(plan) -> dict:
     return {
         "new": [(n.seq_id, n.block_ids, n.num_computed_tokens, len(n.output_token_ids))
                 for n in plan.new_seqs],
-        "run": [(s.seq_id, s.num_tokens, s.new_block_ids) for s in plan.scheduled],
+        "run": [(s.seq_id, s.num_tokens, s.new_block_ids) for s in plan.seq_steps()],
         "swap_out": plan.swap_out, "swap_in": plan.swap_in, "copy": plan.copy,
         "forks": [(f.parent_id, f.child_ids) for f in plan.forks],
         "finished": plan.finished_seq_ids,

@@ -134,7 +134,7 @@ def test_abort_waiting_and_running():
         [("a", 0, [], "abort")]
     assert sched.kv.stats().gpu_blocks_used == 0 and not sched.has_unfinished()
     plan = sched.schedule(1.0)
-    assert plan.finished_seq_ids == [0] and plan.scheduled == []  # b never reached the workers
+    assert plan.finished_seq_ids == [0] and plan.seq_steps() == []  # b never reached the workers
     stats = sched.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
 
@@ -171,7 +171,7 @@ def test_resubmitted_request_recomputes_its_outputs_and_counts_them():
     sched.add(Request("r", prompt, SP(max_tokens=6), output_token_ids=want[:4]))
     plan, out = step(sched, worker)
     assert plan.new_seqs[0].output_token_ids == want[:4]
-    assert plan.scheduled[0].num_tokens == 9  # prompt and the 4 earlier outputs
+    assert plan.seq_steps()[0].num_tokens == 9  # prompt and the 4 earlier outputs
     assert out[0].new_token_ids == want[4:5]
     tokens, reasons, _ = drive(sched, worker)
     assert tokens["r"][0] == want[5:] and reasons["r"][0] == "length"

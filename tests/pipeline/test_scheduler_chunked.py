@@ -16,7 +16,7 @@ def test_long_prompt_is_chunked_around_running_decodes():
     chunks = []
     while True:
         plan, out = step(sched, worker)
-        by_id = {s.seq_id: s.num_tokens for s in plan.scheduled}
+        by_id = {s.seq_id: s.num_tokens for s in plan.seq_steps()}
         assert sum(by_id.values()) <= 16
         decodes = {sid: n for sid, n in by_id.items() if sid < 8}
         assert decodes == {sid: 1 for sid in range(8)}  # every stream gains a token each step

@@ -22,7 +22,7 @@ def test_one_request_step_by_step():
         [("a", 0, want[:1], None)]
     plan, _ = step(sched, worker)  # slot 6: still block 1
     assert brief(plan) == plan_shape(run=[(0, 1, [])])
-    assert plan.scheduled[0].new_token_ids == want[:1]  # the diff: only the sampled token
+    assert plan.seq_steps()[0].new_token_ids == want[:1]  # the diff: only the sampled token
     plan, _ = step(sched, worker)  # slot 7 fills block 1
     assert brief(plan) == plan_shape(run=[(0, 1, [])])
     plan, out = step(sched, worker)  # slot 8 opens block 2
@@ -120,7 +120,7 @@ def test_preempt_by_swap_exact():
     assert (sched.num_swapped, sched.num_preemptions) == (1, 1)
     for _ in range(4):
         plan, out = step(sched, worker)
-        assert [s.seq_id for s in plan.scheduled] == [0] and plan.swap_in == []
+        assert [s.seq_id for s in plan.seq_steps()] == [0] and plan.swap_in == []
     assert out[0].finish_reason == "length"
     plan, _ = step(sched, worker)
     # b comes back into a's freed blocks and is resent whole with its new block table

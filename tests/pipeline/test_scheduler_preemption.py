@@ -27,7 +27,7 @@ def test_high_priority_arrival_preempts_and_victim_resumes(mode):
     sched, worker = _busy_low_priority("priority", mode)
     plan, out = step(sched, worker)
     assert [n.seq_id for n in plan.new_seqs] == [1]  # high is admitted at once ...
-    assert [s.seq_id for s in plan.scheduled] == [1]  # ... and low does not run
+    assert [s.seq_id for s in plan.seq_steps()] == [1]  # ... and low does not run
     assert sched.num_preemptions == 1
     if mode == "swap":
         assert [gpu for gpu, _ in plan.swap_out] == [0, 1, 2, 3] and sched.num_swapped == 1
@@ -64,7 +64,7 @@ def test_equal_priority_does_not_preempt():
     step(sched, worker)
     sched.add(Request("b", HIGH_PROMPT, SP(max_tokens=4), arrival_time=1, priority=1))
     plan, _ = step(sched, worker)
-    assert [s.seq_id for s in plan.scheduled] == [0] and plan.swap_out == []
+    assert [s.seq_id for s in plan.seq_steps()] == [0] and plan.swap_out == []
 
 
 def test_victims_lowest_priority_then_latest_arrival():

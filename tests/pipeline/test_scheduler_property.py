@@ -112,14 +112,14 @@ def test_random_workloads_finish(cfg, specs):
         plan = sched.schedule(float(step_no))
         swapped |= bool(plan.swap_out)
         copied |= bool(plan.copy)
-        num_tokens = [s.num_tokens for s in plan.scheduled]
+        num_tokens = [s.num_tokens for s in plan.seq_steps()]
         assert sum(num_tokens) <= budget and min(num_tokens, default=1) >= 1
-        assert len(plan.scheduled) <= cfg["max_num_seqs"]
+        assert len(plan.seq_steps()) <= cfg["max_num_seqs"]
         assert sched.num_running + sched.num_unforked <= cfg["max_num_seqs"]
-        assert len({s.seq_id for s in plan.scheduled}) == len(plan.scheduled)
+        assert len({s.seq_id for s in plan.seq_steps()}) == len(plan.seq_steps())
         if not cfg["enable_chunked_prefill"]:
             for new in plan.new_seqs:  # whole prompts only
-                s = next(s for s in plan.scheduled if s.seq_id == new.seq_id)
+                s = next(s for s in plan.seq_steps() if s.seq_id == new.seq_id)
                 total = len(new.prompt_token_ids) + len(new.output_token_ids)
                 assert new.num_computed_tokens + s.num_tokens in (total, new.num_computed_tokens)
         for out in sched.update(plan, worker.execute(plan), float(step_no)):

@@ -27,7 +27,8 @@ class GreedyScheduler:
     """Every live sequence runs every step; prompts go in chunks; blocks come from a shuffled
     free list so block tables are non-contiguous. Plans are diffs, as the real scheduler's."""
 
-    def __init__(self, prompts, max_new_tokens, chunk, num_blocks, seed=0):
+    def __init__(self, prompts, max_new_tokens, chunk, num_blocks, seed=0, columns=False):
+        self.columns = columns  # one-token decodes without new blocks go in the decode columns
         self.free = np.random.default_rng(seed).permutation(num_blocks).tolist()
         self.max_new_tokens, self.chunk = max_new_tokens, chunk
         self.tokens = {i: list(p) for i, p in enumerate(prompts)}
@@ -46,7 +47,7 @@ class GreedyScheduler:
         return [i for i in self.tokens if len(self.outputs(i)) < self.max_new_tokens]
 
     def plan(self) -> StepPlan:
-        new_seqs, scheduled = [], []
+        new_seqs, scheduled, decode_ids, decode_tokens = [], [], [], []
         for i in self.live():
             n = min(self.chunk, len(self.tokens[i]) - self.computed[i])
             new_blocks = []
@@ -55,18 +56,27 @@ class GreedyScheduler:
             if i not in self.announced:
                 new_seqs.append(NewSeq(i, self.tokens[i], [], GREEDY, [], 0))
                 self.announced.add(i)
-            scheduled.append(ScheduledSeq(i, n, new_blocks, self.unsent[i]))
+            if self.columns and n == 1 and not new_blocks and len(self.unsent[i]) == 1:
+                decode_ids.append(i)
+                decode_tokens.append(self.unsent[i][0])
+            else:
+                scheduled.append(ScheduledSeq(i, n, new_blocks, self.unsent[i]))
             self.blocks[i] += new_blocks
             self.unsent[i] = []
             self.computed[i] += n
         self.step_id += 1
+        self.rows = decode_ids + [s.seq_id for s in scheduled
+                                  if self.computed[s.seq_id] == len(self.tokens[s.seq_id])]
         plan = empty_plan(self.step_id, new_seqs=new_seqs, scheduled=scheduled,
-                          finished_seq_ids=self.finished)
+                          finished_seq_ids=self.finished, decode_seq_ids=decode_ids,
+                          decode_token_ids=decode_tokens)
         self.finished = []
         return plan
 
     def update(self, result: StepResult) -> None:
         assert result.step_id == self.step_id
+        # the rows: the decode columns, then the sampling sequences of `scheduled`, in order
+        assert result.seq_ids == self.rows
         for seq_id, token in zip(result.seq_ids, result.token_ids):
             self.tokens[seq_id].append(token)
             self.unsent[seq_id].append(token)
@@ -76,9 +86,10 @@ class GreedyScheduler:
                 self.blocks[seq_id] = []
 
 
-def run_greedy(execute, prompts, max_new_tokens, *, chunk=7, num_blocks=64, seed=0):
+def run_greedy(execute, prompts, max_new_tokens, *, chunk=7, num_blocks=64, seed=0,
+               columns=False):
     """Drive `execute(plan) -> StepResult` until every prompt has max_new_tokens outputs."""
-    scheduler = GreedyScheduler(prompts, max_new_tokens, chunk, num_blocks, seed)
+    scheduler = GreedyScheduler(prompts, max_new_tokens, chunk, num_blocks, seed, columns)
     while scheduler.live():
         scheduler.update(execute(scheduler.plan()))
     execute(scheduler.plan())             # tells the workers the last sequences finished
@@ -96,12 +107,27 @@ def make_core(model_dir, *, num_blocks=64, num_cpu_blocks=0, sampler=True):
     return WorkerCore(runner, Sampler(seed=0) if sampler else None, num_cpu_blocks)
 
 
-def test_greedy_plans_match_transformers(tiny_dir):
+@pytest.mark.parametrize("columns", [False, True], ids=["scheduled", "decode-columns"])
+def test_greedy_plans_match_transformers(tiny_dir, columns):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 512, n).tolist() for n in (12, 30, 3, 47)]
     core = make_core(tiny_dir)
-    assert run_greedy(core.execute, prompts, 12) == hf_greedy(tiny_dir, prompts, 12)
+    assert run_greedy(core.execute, prompts, 12, columns=columns) == \
+        hf_greedy(tiny_dir, prompts, 12)
     assert core.seqs == {}                # every finished sequence was dropped
+
+
+def test_decode_columns_are_checked(tiny_dir):
+    core = make_core(tiny_dir)
+    plan = GreedyScheduler([[5, 6, 7, 8]], 4, 2, 64).plan()  # computes 2 of the 4 prompt tokens
+    core.execute(plan)
+    with pytest.raises(ValueError, match="2 decode_seq_ids but 1 decode_token_ids"):
+        core.execute(empty_plan(2, decode_seq_ids=[0, 0], decode_token_ids=[9]))
+    with pytest.raises(ValueError, match="seq 0: a decode column entry, but 2 of its known "
+                                         "tokens are not computed yet"):
+        core.execute(empty_plan(2, decode_seq_ids=[0], decode_token_ids=[9]))
+    with pytest.raises(ValueError, match="decoding sequence 7 is unknown"):
+        core.execute(empty_plan(2, decode_seq_ids=[7], decode_token_ids=[9]))
 
 
 def test_rank_without_sampler_computes_and_returns_none(tiny_dir):
