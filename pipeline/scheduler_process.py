@@ -225,7 +225,7 @@ class SchedulerProcess:
             for rank in range(self.tp_size):
                 self.workers.send_multipart([worker_identity(rank), *frames], copy=False)
         except zmq.ZMQError as exc:  # a rank vanished between its last answer and now
-            scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
+            # The plan stays in flight: recovery reads it (its swap-outs may not have happened).
             self.lose_workers(f"cannot reach a worker rank: {exc}")
             return
         self.inflight = plan
