@@ -78,7 +78,7 @@ class DetokenizerService:
 
     def on_tokens(self, batch: messages.TokenBatch) -> None:
         per_client: dict[bytes, list[messages.TextDelta]] = defaultdict(list)
-        for s in batch.samples:
+        for s in batch.all_samples():
             owner = self.owners.get(s.request_id)
             if owner is None or s.index >= len(owner.samples) or not owner.samples[s.index].open:
                 continue  # finished by a stop string already, aborted, or from before a reset

@@ -78,16 +78,22 @@ class StepPlan(msgspec.Struct, gc=False):
     finished_seq_ids: list[int]  # workers drop their state for these
     shared_tables: SharedTables | None = None
     # Steady decodes, as columns rather than one ScheduledSeq each: every sequence here computes
-    # one token, the one it sampled last (sent alongside), in blocks the workers already hold.
-    # They come before `scheduled` in the batch and in the result's rows.
+    # one token, the one it sampled last (sent alongside), and samples. decode_new_blocks
+    # holds (index into the columns, block id) for the few that open a new block this step:
+    # appended to that sequence's table first. They come before `scheduled` in the batch and
+    # in the result's rows.
     decode_seq_ids: list[int] = []
     decode_token_ids: list[int] = []
+    decode_new_blocks: list[tuple[int, int]] = []
 
     def seq_steps(self) -> list[ScheduledSeq]:
         """Every sequence this step computes, in batch order, the decode columns spelled out as
         ScheduledSeq entries (for tests, logs and tools; the hot paths read the columns)."""
-        return [ScheduledSeq(sid, 1, [], [tok])
-                for sid, tok in zip(self.decode_seq_ids, self.decode_token_ids)] + self.scheduled
+        blocks: dict[int, list[int]] = {}
+        for index, block in self.decode_new_blocks:
+            blocks.setdefault(index, []).append(block)
+        return [ScheduledSeq(sid, 1, blocks.get(i, []), [tok]) for i, (sid, tok)
+                in enumerate(zip(self.decode_seq_ids, self.decode_token_ids))] + self.scheduled
 
     @property
     def num_scheduled(self) -> int:
@@ -176,6 +182,18 @@ class SampleTokens(msgspec.Struct, kw_only=True):
 class TokenBatch(msgspec.Struct):
     step_id: int
     samples: list[SampleTokens]
+    # One new token for each of many samples, as columns (a step's plain decodes: no finish,
+    # no logprobs): sample index indices[i] of request request_ids[i] gained token_ids[i], its
+    # output token number offsets[i]. Read before `samples`.
+    request_ids: list[str] = []
+    indices: list[int] = []
+    token_ids: list[int] = []
+    offsets: list[int] = []
+
+    def all_samples(self) -> list[SampleTokens]:
+        """The columns spelled out as SampleTokens, then `samples`."""
+        return [SampleTokens(request_id=rid, index=i, token_ids=[t], offset=o) for rid, i, t, o
+                in zip(self.request_ids, self.indices, self.token_ids, self.offsets)] + self.samples
 
 
 class TextDelta(msgspec.Struct, kw_only=True):

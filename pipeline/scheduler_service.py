@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from pipeline import messages
 from pipeline.scheduler import QueueFull, RequestRejected, Scheduler
@@ -18,12 +19,14 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests
 
 
+_INDEX = attrgetter("index")
+
+
 @dataclass(slots=True)
 class _Owned:
     client_id: bytes
     sampling: object
     num_prompt_tokens: int
-    sent: list[int]  # per sample: output tokens forwarded to the detokenizer so far
 
 
 class Histogram:
@@ -88,8 +91,7 @@ class SchedulerService:
         except RequestRejected as exc:
             self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 400, exc.reason))
             return
-        self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids),
-                                             [len(outputs)] + [0] * (msg.sampling.n - 1))
+        self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids))
         self.send_to_detok(messages.DetokOpen(
             request_id=msg.request_id, client_id=client_id, prompt_token_ids=msg.prompt_token_ids,
             sampling=msg.sampling))
@@ -145,7 +147,6 @@ class SchedulerService:
                                                   prompt_token_ids=prompt, sampling=owner.sampling))
             samples = []
             for seq in state.seqs:
-                owner.sent[seq.index] = seq.num_output_tokens
                 samples.append(messages.SampleTokens(
                     request_id=rid, index=seq.index, token_ids=seq.output_token_ids, offset=0,
                     finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens))
@@ -169,19 +170,18 @@ class SchedulerService:
         self._forward(outputs, plan.step_id)
 
     def _forward(self, outputs: StepOutputs, step_id: int) -> None:
-        samples = []
-        # The columns: one token each, nothing finished, no logprobs.
-        owners, sample = self.owners, messages.SampleTokens
-        for seq, token in zip(outputs.seqs, outputs.token_ids):
-            rid, index = seq.request.request_id, seq.index
-            owner = owners.get(rid)
-            if owner is None:
-                continue
-            sent = owner.sent
-            offset = sent[index]
-            sent[index] = offset + 1
-            samples.append(sample(request_id=rid, index=index, token_ids=[token], offset=offset,
-                                  num_prompt_tokens=owner.num_prompt_tokens))
+        """Hand a step's new tokens to the detokenizer: the columns (one token each, nothing
+        finished, no logprobs) as columns again, the rest one SampleTokens each. Requests
+        whose client is gone are dropped here or, in the columns, by the detokenizer (it
+        knows no such request)."""
+        batch = messages.TokenBatch(step_id, [])
+        seqs = outputs.seqs
+        if seqs:
+            batch.request_ids = [seq.request.request_id for seq in seqs]
+            batch.indices = list(map(_INDEX, seqs))
+            batch.token_ids = outputs.token_ids
+            batch.offsets = [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq in seqs]
+        samples = batch.samples
         for out in outputs.others:
             owner = self.owners.get(out.request_id)
             if owner is None:
@@ -190,18 +190,16 @@ class SchedulerService:
             if out.finish_reason == "stop" and out.new_token_ids and \
                     out.new_token_ids[-1] in owner.sampling.stop_token_ids:
                 stop_reason = out.new_token_ids[-1]
-            offset = owner.sent[out.index]
-            owner.sent[out.index] += len(out.new_token_ids)
             samples.append(messages.SampleTokens(
                 request_id=out.request_id, index=out.index, token_ids=out.new_token_ids,
-                offset=offset,
+                offset=out.offset,
                 logprobs=out.logprobs, top_logprobs=out.top_logprobs,
                 finish_reason=out.finish_reason, stop_reason=stop_reason,
                 num_prompt_tokens=owner.num_prompt_tokens))
             if out.request_finished:
                 del self.owners[out.request_id]
-        if samples:
-            self.send_to_detok(messages.TokenBatch(step_id, samples))
+        if samples or seqs:
+            self.send_to_detok(batch)
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

@@ -112,7 +112,7 @@ class Sequence:
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
         self.needs_full_send = True  # next plan carries a NewSeq for it
-        self.step_tokens = 0  # tokens it computes in the plan in flight
+        self.step_tokens = 0  # tokens it computes in the plan in flight (outside the lanes)
         self.last_step = -1  # last step that scheduled it
         self.preempted_step = -1  # not re-admitted in the step that pushed it out
         # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
@@ -176,6 +176,7 @@ class SequenceOutput(msgspec.Struct, gc=False):
     request_finished: bool = False  # every sample of the request is done
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    offset: int = 0  # position of new_token_ids[0] among the sample's output tokens
 
 
 class StepOutputs(CollectionSequence):
@@ -183,7 +184,8 @@ class StepOutputs(CollectionSequence):
     token. The plain ones (one token, not finished, no logprobs: nearly all of them) stay as two
     parallel columns - the sample's Sequence and its token - which the scheduler process
     forwards without building an object per sample; `others` holds the rest, in plan order.
-    Indexing and iterating give SequenceOutputs (built on demand), the columns first.
+    Indexing and iterating give SequenceOutputs (built on demand), the columns first; the
+    columns read the live sequences, so read a step's outputs before the next `update`.
     """
 
     __slots__ = ("seqs", "token_ids", "others")
@@ -199,7 +201,8 @@ class StepOutputs(CollectionSequence):
 
     def _column(self, i: int) -> SequenceOutput:
         seq = self.seqs[i]
-        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]])
+        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]],
+                              offset=len(seq.token_ids) - seq.num_prompt_tokens - 1)
 
     def __getitem__(self, i):
         if isinstance(i, slice):

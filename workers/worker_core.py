@@ -130,6 +130,11 @@ class WorkerCore:
         if len(plan.decode_token_ids) != len(plan.decode_seq_ids):
             raise ValueError(f"plan {plan.step_id} has {len(plan.decode_seq_ids)} decode_seq_ids "
                              f"but {len(plan.decode_token_ids)} decode_token_ids")
+        for index, block in plan.decode_new_blocks:
+            if not 0 <= index < len(plan.decode_seq_ids):
+                raise ValueError(f"plan {plan.step_id}: decode_new_blocks names column {index} "
+                                 f"of {len(plan.decode_seq_ids)}")
+            self._state(plan.decode_seq_ids[index], "decoding").block_ids.append(block)
         for seq_id, token in zip(plan.decode_seq_ids, plan.decode_token_ids):
             state = self._state(seq_id, "decoding")
             tokens = state.token_ids

@@ -1,16 +1,19 @@
 """The scheduler's per-sequence hot loops, run for every running sequence on every step.
 
 `schedule_running` plans one token for each decoding sequence and `apply_result` applies the
-sampled tokens in `update`. The steady case - a decode in blocks the workers already hold, with
-nothing else to send, that cannot finish by length - is a *lane*: while
-``len(token_ids) <= seq.lane_cap`` (set by `lane_cap` whenever the sequence is planned any other
-way) it goes into the plan's decode columns with a handful of attribute writes, and its sampled
-token into StepOutputs' columns, without a message object either way. The next common case (a
-decode that needs a new block) is inlined too; anything else goes to the scheduler's general
-methods, at the same point in the order, so plans and outputs are exactly what those give.
+sampled tokens in `update`. The steady case - a decode whose token cannot end it by length,
+with nothing to send but that token and, at a block boundary, a fresh block - is a *lane*.
+While ``len(token_ids) <= seq.lane_cap`` (set by `lane_cap` whenever the sequence is planned
+any other way) a sequence goes into the plan's decode columns with a handful of attribute
+writes, its token counted as computed right away; `update` appends the lanes' sampled tokens
+with one C-level map and hands them on as StepOutputs' columns, with no message object per
+sequence either way. Anything else goes to the scheduler's general methods, at the same point
+in the order, so plans and outputs are exactly what those give.
 """
 from __future__ import annotations
 
+from collections import deque
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepResult
@@ -23,13 +26,16 @@ RUNNING = SequenceStatus.RUNNING
 # The new_block_ids of every decode that adds no block (most of them). Plans are messages: no
 # consumer mutates them, so one shared empty list spares an allocation (and GC work) per sequence.
 NO_BLOCKS: list[int] = []
+_TOKEN_IDS = attrgetter("token_ids")
+_SEQ_ID = attrgetter("seq_id")
 
 
 class PlanBuilder:
     """The lists of one step's plan, plus the token budget left."""
 
     __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
-                 "forks", "lanes", "lane_ids", "lane_tokens", "seqs", "fork_children")
+                 "forks", "lanes", "lane_ids", "lane_tokens", "lane_blocks", "lane_fills", "seqs",
+                 "fork_children", "num_finished")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -45,8 +51,11 @@ class PlanBuilder:
         self.lanes: list[Sequence] = []
         self.lane_ids: list[int] = []
         self.lane_tokens: list[int] = []
+        self.lane_blocks: list[tuple[int, int]] = []  # (lane index, block id it appends)
+        self.lane_fills: list[Sequence] = []  # lanes whose computed token fills their block
         self.seqs: list[Sequence] = []
         self.fork_children: list[Sequence] = []
+        self.num_finished = 0  # planned sequences finished (aborted, stopped) while in flight
 
 
 def lane_cap(seq: Sequence, block_size: int) -> int:
@@ -90,26 +99,32 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
     running list from this step on) and records the planned ones in `b`.
 
     Lanes go to the decode columns. A decode whose slot needs a new block takes it from
-    `reserve_slots` here (a shared last block or a short pool fails that); anything else (no
-    budget, a recompute catching up, a resend, a copy-on-write, preemptions) goes to
-    `sched._schedule_one_running`, at the same point in the order.
+    `reserve_slots` here (a shared last block or a short pool fails that) and is a lane too,
+    its block in the plan's decode_new_blocks, unless the token it samples may end it by
+    length; anything else (no budget, a recompute catching up, a resend, a copy-on-write,
+    preemptions) goes to `sched._schedule_one_running`, at the same point in the order.
     """
     reserve = sched.kv.reserve_slots
     general = sched._schedule_one_running
     add, add_seq, keep = b.scheduled.append, b.seqs.append, new_running.append
-    add_lane, add_lane_id, add_lane_token = b.lanes.append, b.lane_ids.append, b.lane_tokens.append
+    lanes = b.lanes
+    add_lane, add_lane_token = lanes.append, b.lane_tokens.append
+    add_fill = b.lane_fills.append
     bs, step_id, running = sched.block_size, b.step_id, RUNNING
+    caching = sched.config.enable_prefix_caching
     budget = b.budget
     for seq in sched.running:
         tokens = seq.token_ids
         n = len(tokens)
         if n <= seq.lane_cap and budget > 0:  # (a finished or preempted one's lane_cap is -1)
             add_lane(seq)
-            add_lane_id(seq.seq_id)
             add_lane_token(tokens[-1])
-            seq.num_reserved_tokens = seq.num_tokens_sent = n
-            seq.step_tokens = 1
+            # A lane's token counts as computed from the moment it is planned (nothing reads
+            # the count before the result is back, and a lost step recomputes everything).
+            seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
             seq.last_step = step_id
+            if caching and not n % bs:
+                add_fill(seq)
             budget -= 1
             keep(seq)
             continue
@@ -135,6 +150,20 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
             seq.num_blocks_sent += len(new_blocks)
         seq.num_reserved_tokens = n
         sent = seq.num_tokens_sent
+        if (new_blocks and sent + 1 == n
+                and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
+            index = len(lanes)  # a lane that opens a new block (the common boundary case)
+            b.lane_blocks.extend((index, block) for block in new_blocks)
+            add_lane(seq)
+            add_lane_token(tokens[-1])
+            seq.num_tokens_sent = seq.num_computed_tokens = n
+            seq.last_step = step_id
+            if caching and not n % bs:
+                add_fill(seq)
+            seq.lane_cap = lane_cap(seq, bs)
+            budget -= 1
+            keep(seq)
+            continue
         add(ScheduledSeq(seq.seq_id, 1, new_blocks,
                          [tokens[sent]] if sent + 1 == n else tokens[sent:]))
         add_seq(seq)
@@ -145,6 +174,7 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
         budget -= 1
         keep(seq)
     b.budget = budget
+    b.lane_ids = list(map(_SEQ_ID, lanes))
 
 
 def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> StepOutputs:
@@ -157,11 +187,11 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> StepOu
     num_lanes = len(lanes)
     out = StepOutputs([], [], [])
     plain = result.logprobs is None and result.top_logprobs is None
-    if plain and seq_ids[:num_lanes] == b.lane_ids:
-        _apply_lanes(sched, lanes, token_ids, result, out)
-        _apply_general(sched, b.seqs, rows, num_lanes, plain, out)
-    else:  # logprobs to pass on, or rows out of order: one sequence at a time
-        _apply_general(sched, lanes + b.seqs, rows, 0, plain, out)
+    if plain and not b.num_finished and seq_ids[:num_lanes] == b.lane_ids:
+        _apply_lanes(sched, b, token_ids, result, out)
+    else:  # logprobs to pass on, rows out of order, or lanes gone meanwhile
+        _apply_lanes_one_by_one(sched, lanes, rows, plain, out)
+    _apply_general(sched, b.seqs, rows, num_lanes, plain, out)
     others, finish_sampled = out.others, sched._finish_sampled
     for seq in b.fork_children:
         if seq.status is RUNNING:
@@ -172,48 +202,68 @@ def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> StepOu
     return out
 
 
-def _apply_lanes(sched: Scheduler, lanes: list[Sequence], token_ids: list[int],
-                 result: StepResult, out: StepOutputs) -> None:
-    """The lanes' rows, which lead the result in plan order: each computed one token and
-    sampled one; a lane cannot reach max_tokens, so only a stop id can finish it. The output
-    columns are the lanes list itself and a slice of the result unless some lane is left out
-    (aborted meanwhile, or stopped)."""
+def _apply_lanes(sched: Scheduler, b: PlanBuilder, token_ids: list[int], result: StepResult,
+                 out: StepOutputs) -> None:
+    """The common case: every lane is still running and its row is where the plan put it (the
+    first len(lanes) rows). Each lane's token was counted as computed when it was planned, and
+    a lane cannot reach max_tokens, so what is left is appending the sampled tokens (in C, by
+    map), making the blocks that filled up findable, and finishing lanes that sampled a stop
+    id. The output columns are the lanes list itself and the rows' tokens."""
+    lanes = b.lanes
+    num_lanes = len(lanes)
+    deque(map(list.append, map(_TOKEN_IDS, lanes), token_ids), 0)
+    if b.lane_fills:  # before a stop below frees its blocks
+        # (the slots of the block that filled may have been held lazily: report them too)
+        sched.kv.commit_blocks([(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                 seq.num_computed_tokens) for seq in b.lane_fills])
+        for seq in b.lane_fills:
+            seq.num_kv_tokens = seq.num_computed_tokens
+    tokens = token_ids[:num_lanes]
+    if sched.stop_id_union.isdisjoint(tokens):
+        out.seqs, out.token_ids = lanes, tokens
+        return
+    finish_sampled, others = sched._finish_sampled, out.others
+    stopped = set()
+    for row, seq in enumerate(lanes):
+        token = tokens[row]
+        if token in seq.request.stop_ids:
+            others.append(finish_sampled(seq, token, row, result))
+            stopped.add(row)
+    out.seqs = [seq for row, seq in enumerate(lanes) if row not in stopped]
+    out.token_ids = [t for row, t in enumerate(tokens) if row not in stopped]
+
+
+def _apply_lanes_one_by_one(sched: Scheduler, lanes: list[Sequence], rows: ResultRows,
+                            plain: bool, out: StepOutputs) -> None:
+    """The lanes' rows wherever they are, skipping lanes finished meanwhile, with logprobs."""
+    result = rows.result
+    seq_ids, token_ids = result.seq_ids, result.token_ids
     bs = sched.block_size
     caching = sched.config.enable_prefix_caching
-    check_stops = not sched.stop_id_union.isdisjoint(token_ids)
     commit, finish_sampled = sched.kv.commit_blocks, sched._finish_sampled
-    running = RUNNING
-    filled = []  # (seq_id, tokens, slots held, computed) of sequences whose block filled up
-    left_out = []  # rows not in the columns
-    row = -1
-    for seq in lanes:
-        row += 1
-        if seq.status is not running:
-            left_out.append(row)  # aborted or stopped while the step ran
-            continue
-        new = seq.num_computed_tokens = seq.num_computed_tokens + 1
+    filled = []
+    for row, seq in enumerate(lanes):
+        if seq.status is not RUNNING:
+            continue  # aborted or stopped while the step ran
+        if row >= len(seq_ids) or seq_ids[row] != seq.seq_id:
+            row = rows.find(seq.seq_id)
+        new = seq.num_computed_tokens  # counted when planned
         tokens = seq.token_ids
         if caching and not new % bs:  # a block filled up: make it findable
-            held = seq.num_kv_tokens
-            if new > held:  # report the slots held lazily too
-                held = seq.num_kv_tokens = seq.num_reserved_tokens
-            filled.append((seq.seq_id, tokens, held, new))
+            filled.append((seq.seq_id, tokens, new, new))
+            seq.num_kv_tokens = new
         token = token_ids[row]
         tokens.append(token)
-        if check_stops and token in seq.request.stop_ids:
+        if plain and token not in seq.request.stop_ids:
+            out.seqs.append(seq)
+            out.token_ids.append(token)
+        else:
             if filled:  # in order, and before a finished sequence frees its blocks
                 commit(filled)
                 filled = []
             out.others.append(finish_sampled(seq, token, row, result))
-            left_out.append(row)
     if filled:
         commit(filled)
-    if not left_out:
-        out.seqs, out.token_ids = lanes, token_ids[:len(lanes)]
-    else:
-        skip = set(left_out)
-        out.seqs = [seq for r, seq in enumerate(lanes) if r not in skip]
-        out.token_ids = [t for r, t in enumerate(token_ids[:len(lanes)]) if r not in skip]
 
 
 def _apply_general(sched: Scheduler, seqs: list[Sequence], rows: ResultRows, cursor: int,

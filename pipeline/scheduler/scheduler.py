@@ -170,7 +170,8 @@ class Scheduler:
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
         return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
-                        b.forks, finished, self._shared_tables, b.lane_ids, b.lane_tokens)
+                        b.forks, finished, self._shared_tables, b.lane_ids, b.lane_tokens,
+                        b.lane_blocks)
 
     def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
         """The general path for a running sequence: may preempt, resend or compute several."""
@@ -470,7 +471,7 @@ class Scheduler:
         lp = None if result.logprobs is None else [result.logprobs[row]]
         tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
         return SequenceOutput(req.request_id, seq.index, [token], FINISH_REASONS.get(status),
-                              request_finished, lp, tlp)
+                              request_finished, lp, tlp, num_out - 1)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -506,6 +507,9 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> bool:
         """Release a sequence; returns whether that finished its whole request."""
         seq.lane_cap = -1
+        inflight = self._inflight
+        if inflight is not None and seq.last_step == inflight.step_id:
+            inflight.num_finished += 1  # its row is no longer wanted: update goes one by one
         if seq.status is RUNNING:
             self._remove_running(seq)
             self.kv.free(seq.seq_id)
@@ -539,5 +543,6 @@ class Scheduler:
             if seq.status >= FINISHED_STOPPED or (index is not None and seq.index != index):
                 continue
             done = self._finish(seq, status)
-            outputs.append(SequenceOutput(request_id, seq.index, [], FINISH_REASONS[status], done))
+            outputs.append(SequenceOutput(request_id, seq.index, [], FINISH_REASONS[status], done,
+                                          offset=len(seq.token_ids) - seq.num_prompt_tokens))
         return outputs

@@ -25,14 +25,17 @@ def test_a_sequence_decodes_in_the_columns_between_block_boundaries():
     kinds = []
     while sched.has_unfinished():
         plan, out = step(sched, worker)
-        kinds.append("lane" if plan.decode_seq_ids else [s.new_block_ids for s in plan.scheduled])
+        if plan.decode_new_blocks:
+            kinds.append(("lane", plan.decode_new_blocks))
+        else:
+            kinds.append("lane" if plan.decode_seq_ids else [s.new_block_ids for s in plan.scheduled])
         if plan.decode_seq_ids:
             assert plan.scheduled == [] and lanes(plan) == [(0, got[-1])]
         got += out[0].new_token_ids
-    # slots 6, 7 lie in block 1; slot 8 opens block 2 (a ScheduledSeq with the new block);
-    # slots 9 and 10 are lanes again; slot 11 samples the 7th token, which ends the request by
-    # length, so it is not a lane (update checks the length only outside the columns)
-    assert kinds == ["lane", "lane", [[2]], "lane", "lane", [[]]]
+    # slots 6, 7 lie in block 1; slot 8 opens block 2 (still a lane, the block in
+    # decode_new_blocks); slots 9 and 10 are lanes; slot 11 samples the 7th token, which ends
+    # the request by length, so it is not a lane (update checks the length outside the columns)
+    assert kinds == ["lane", "lane", ("lane", [(0, 2)]), "lane", "lane", [[]]]
     assert got == want and out[0].finish_reason == "length"
     assert sched.kv.stats().gpu_blocks_used == 0
 
@@ -44,8 +47,13 @@ def test_decode_columns_survive_the_wire():
     plan = sched.schedule(1.0)
     raw = msgpack.unpackb(msgspec.msgpack.encode(plan))
     assert raw["decode_seq_ids"] == [0] and raw["decode_token_ids"] == plan.decode_token_ids
+    assert raw["decode_new_blocks"] == []
     assert plan.num_scheduled == 1 and plan.num_tokens == 1
     assert [(s.seq_id, s.num_tokens, s.new_block_ids) for s in plan.seq_steps()] == [(0, 1, [])]
+    sched.update(plan, worker.execute(plan), 1.0)
+    plan = sched.schedule(2.0)  # slot 4 opens the second block
+    raw = msgpack.unpackb(msgspec.msgpack.encode(plan))
+    assert raw["decode_seq_ids"] == [0] and raw["decode_new_blocks"] == [[0, 1]]
 
 
 def test_a_stop_id_sampled_in_a_lane_finishes_it():
@@ -84,7 +92,8 @@ def test_abort_while_a_lane_is_in_flight():
     out = sched.update(plan, worker.execute(plan), 1.0)
     assert [o.request_id for o in out] == ["b"]
     plan, _ = step(sched, worker, 2.0)  # b crosses into its second block
-    assert plan.finished_seq_ids == [0] and [s.seq_id for s in plan.seq_steps()] == [1]
+    assert plan.finished_seq_ids == [0] and plan.decode_seq_ids == [1]
+    assert plan.decode_new_blocks == [(0, plan.seq_steps()[0].new_block_ids[0])]
 
 
 def test_rows_out_of_order_and_logprobs_take_the_general_path():

@@ -47,7 +47,7 @@ class GreedyScheduler:
         return [i for i in self.tokens if len(self.outputs(i)) < self.max_new_tokens]
 
     def plan(self) -> StepPlan:
-        new_seqs, scheduled, decode_ids, decode_tokens = [], [], [], []
+        new_seqs, scheduled, decode_ids, decode_tokens, decode_blocks = [], [], [], [], []
         for i in self.live():
             n = min(self.chunk, len(self.tokens[i]) - self.computed[i])
             new_blocks = []
@@ -56,7 +56,8 @@ class GreedyScheduler:
             if i not in self.announced:
                 new_seqs.append(NewSeq(i, self.tokens[i], [], GREEDY, [], 0))
                 self.announced.add(i)
-            if self.columns and n == 1 and not new_blocks and len(self.unsent[i]) == 1:
+            if self.columns and n == 1 and len(self.unsent[i]) == 1:
+                decode_blocks += [(len(decode_ids), block) for block in new_blocks]
                 decode_ids.append(i)
                 decode_tokens.append(self.unsent[i][0])
             else:
@@ -69,7 +70,7 @@ class GreedyScheduler:
                                   if self.computed[s.seq_id] == len(self.tokens[s.seq_id])]
         plan = empty_plan(self.step_id, new_seqs=new_seqs, scheduled=scheduled,
                           finished_seq_ids=self.finished, decode_seq_ids=decode_ids,
-                          decode_token_ids=decode_tokens)
+                          decode_token_ids=decode_tokens, decode_new_blocks=decode_blocks)
         self.finished = []
         return plan
 
@@ -128,6 +129,9 @@ def test_decode_columns_are_checked(tiny_dir):
         core.execute(empty_plan(2, decode_seq_ids=[0], decode_token_ids=[9]))
     with pytest.raises(ValueError, match="decoding sequence 7 is unknown"):
         core.execute(empty_plan(2, decode_seq_ids=[7], decode_token_ids=[9]))
+    with pytest.raises(ValueError, match="decode_new_blocks names column 1 of 1"):
+        core.execute(empty_plan(2, decode_seq_ids=[0], decode_token_ids=[9],
+                                decode_new_blocks=[(1, 3)]))
 
 
 def test_rank_without_sampler_computes_and_returns_none(tiny_dir):
