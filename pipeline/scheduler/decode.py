@@ -153,7 +153,8 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
         if (new_blocks and sent + 1 == n
                 and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
             index = len(lanes)  # a lane that opens a new block (the common boundary case)
-            b.lane_blocks.extend((index, block) for block in new_blocks)
+            for block in new_blocks:
+                b.lane_blocks.append((index, block))
             add_lane(seq)
             add_lane_token(tokens[-1])
             seq.num_tokens_sent = seq.num_computed_tokens = n
