@@ -116,62 +116,54 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
     for seq in sched.running:
         tokens = seq.token_ids
         n = len(tokens)
-        if n <= seq.lane_cap and budget > 0:  # (a finished or preempted one's lane_cap is -1)
-            add_lane(seq)
-            add_lane_token(tokens[-1])
-            # A lane's token counts as computed from the moment it is planned (nothing reads
-            # the count before the result is back, and a lost step recomputes everything).
-            seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
-            seq.last_step = step_id
-            if caching and not n % bs:
-                add_fill(seq)
-            budget -= 1
-            keep(seq)
-            continue
-        if seq.status is not running:
-            continue  # finished or preempted since
-        if (seq.num_computed_tokens + 1 != n or seq.num_reserved_tokens >= n
-                or seq.needs_full_send or budget <= 0):
-            b.budget = budget
-            general(seq, b, keep)
-            budget = b.budget
-            continue
-        if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
-            new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
-        else:
-            new_blocks = reserve(seq.seq_id, n)
-            if new_blocks is None:  # its last block is shared, or the pool is short
+        if n > seq.lane_cap or budget <= 0:  # not a lane (a finished or preempted one's is -1)
+            if seq.status is not running:
+                continue  # finished or preempted since
+            if (seq.num_computed_tokens + 1 != n or seq.num_reserved_tokens >= n
+                    or seq.needs_full_send or budget <= 0):
                 b.budget = budget
                 general(seq, b, keep)
                 budget = b.budget
                 continue
-            seq.num_kv_tokens = n
-            seq.shared_tail = False
-            seq.num_blocks_sent += len(new_blocks)
-        seq.num_reserved_tokens = n
-        sent = seq.num_tokens_sent
-        if (new_blocks and sent + 1 == n
-                and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
-            index = len(lanes)  # a lane that opens a new block (the common boundary case)
+            if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
+                new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+            else:
+                new_blocks = reserve(seq.seq_id, n)
+                if new_blocks is None:  # its last block is shared, or the pool is short
+                    b.budget = budget
+                    general(seq, b, keep)
+                    budget = b.budget
+                    continue
+                seq.num_kv_tokens = n
+                seq.shared_tail = False
+                seq.num_blocks_sent += len(new_blocks)
+            seq.num_reserved_tokens = n
+            sent = seq.num_tokens_sent
+            seq.num_tokens_sent = n
+            if not (new_blocks and sent + 1 == n
+                    and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
+                add(ScheduledSeq(seq.seq_id, 1, new_blocks,
+                                 [tokens[sent]] if sent + 1 == n else tokens[sent:]))
+                add_seq(seq)
+                seq.step_tokens = 1
+                seq.last_step = step_id
+                seq.lane_cap = lane_cap(seq, bs)
+                budget -= 1
+                keep(seq)
+                continue
+            # A lane that opens a new block (the common boundary case): on with the lanes.
+            index = len(lanes)
             for block in new_blocks:
                 b.lane_blocks.append((index, block))
-            add_lane(seq)
-            add_lane_token(tokens[-1])
-            seq.num_tokens_sent = seq.num_computed_tokens = n
-            seq.last_step = step_id
-            if caching and not n % bs:
-                add_fill(seq)
             seq.lane_cap = lane_cap(seq, bs)
-            budget -= 1
-            keep(seq)
-            continue
-        add(ScheduledSeq(seq.seq_id, 1, new_blocks,
-                         [tokens[sent]] if sent + 1 == n else tokens[sent:]))
-        add_seq(seq)
-        seq.num_tokens_sent = n
-        seq.step_tokens = 1
+        add_lane(seq)
+        add_lane_token(tokens[-1])
+        # A lane's token counts as computed from the moment it is planned (nothing reads the
+        # count before the result is back, and a lost step recomputes everything).
+        seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
         seq.last_step = step_id
-        seq.lane_cap = lane_cap(seq, bs)
+        if caching and not n % bs:
+            add_fill(seq)
         budget -= 1
         keep(seq)
     b.budget = budget
