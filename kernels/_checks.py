@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_format import check_storage
+
 
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless condition holds (unlike assert, survives python -O)."""
@@ -45,7 +47,7 @@ def check_query(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int,
             f"{name}: q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     require(num_q_heads % num_kv_heads == 0,
             f"{name}: Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    require(q.dtype == k_cache.dtype, f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    check_storage(name, q.dtype, k_cache.dtype)
     require(q.device == k_cache.device, f"{name}: q on {q.device} but cache on {k_cache.device}")
     require(q.stride(-1) == 1, f"{name}: q's head_dim axis must have stride 1, got {q.stride()}")
     return n, num_q_heads, num_kv_heads, head_dim
@@ -59,6 +61,12 @@ def check_block_mapping(name: str, block_mapping: torch.Tensor) -> None:
 
 
 LOG2E = 1.4426950408889634
+
+
+def triton_dtype(dtype: torch.dtype):
+    """The Triton element type of a torch float dtype (the query's: caches widen to it)."""
+    import triton.language as tl
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

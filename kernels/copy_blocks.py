@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_block_mapping, require
+from .kv_format import raw
 
 
 def _check_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -27,6 +28,7 @@ def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None
     if block_mapping.shape[0] == 0:
         return
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    kv_cache = raw(kv_cache)  # fp8 as bytes: CPU index_copy_ has no fp8 kernel
     kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
 
 
@@ -60,5 +62,5 @@ def copy_blocks_triton(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> N
     block_numel = kv_cache[0, 0, 0].numel()
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (num_pairs, num_layers * 2, triton.cdiv(block_numel, chunk))
-    _copy_blocks_kernel[grid](kv_cache, block_mapping, kv_cache.stride(1), kv_cache.stride(2),
+    _copy_blocks_kernel[grid](raw(kv_cache), block_mapping, kv_cache.stride(1), kv_cache.stride(2),
                               block_numel, CHUNK=chunk)

@@ -76,8 +76,8 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     for start, end in bounds:
         rows, num_blocks = end - start, blocks_desc[start]
         tables = block_tables[start:end]
-        keys = gather_pages(k_cache, tables, num_blocks, "decode_k").transpose(1, 2)
-        values = gather_pages(v_cache, tables, num_blocks, "decode_v").transpose(1, 2)
+        keys = gather_pages(k_cache, tables, num_blocks, "decode_k").to(q.dtype).transpose(1, 2)
+        values = gather_pages(v_cache, tables, num_blocks, "decode_v").to(q.dtype).transpose(1, 2)
         outputs.append(F.scaled_dot_product_attention(
             q[start:end].view(rows, num_q_heads, 1, head_dim), keys, values,
             attn_mask=mask[start:end, :num_blocks * block_size].view(rows, 1, 1, -1),

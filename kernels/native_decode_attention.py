@@ -6,8 +6,9 @@ into a scratch buffer and read again by SDPA. Sequences longer than PART_TOKENS 
 partitions that run as separate tasks (so a few long sequences still use every thread) and are
 merged by log-sum-exp.
 
-Supports fp32 and bf16 caches; `supports()` says whether a call can run here, and
-kernels/__init__.py falls back to the torch path otherwise.
+Supports fp32, bf16 and fp8 (e4m3fn, e5m2) caches under fp32 or bf16 queries; the C kernel works in
+fp32 (a bf16 query and its output are converted here, a few hundred KB per layer). `supports()`
+says whether a call can run here, and kernels/__init__.py falls back to the torch path otherwise.
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def set_threads(count: int) -> None:
     if count < 0:
         raise ValueError(f"attention threads must be >= 0, got {count}")
     _threads = count
-_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# by cache dtype; the query and output are fp32 in the C kernel
+_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+              torch.float8_e4m3fn: "paged_decode_e4m3", torch.float8_e5m2: "paged_decode_e5m2"}
+_QUERY_DTYPES = (torch.float32, torch.bfloat16)
 _ERRORS = {-1: "head_dim must be in 1..256", -2: "Hq must be a multiple of Hkv",
            -3: "the partition size must be a multiple of block_size",
            -4: "out of memory for the per-thread buffers",
@@ -42,8 +46,9 @@ _ERRORS = {-1: "head_dim must be in 1..256", -2: "Hq must be a multiple of Hkv",
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernel can run this call (CPU tensors, fp32/bf16, library built)."""
-    return (q.device.type == "cpu" and k_cache.dtype in _FUNCTIONS and q.dtype == k_cache.dtype
+    """Whether the native kernel can run this call (CPU tensors, an fp32/bf16 query, an
+    fp32/bf16/fp8 cache, library built)."""
+    return (q.device.type == "cpu" and k_cache.dtype in _FUNCTIONS and q.dtype in _QUERY_DTYPES
             and k_cache.shape[-1] <= 256 and native.library() is not None)
 
 
@@ -55,16 +60,19 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                                                   block_tables, context_lens)
     require(k_cache.dtype in _FUNCTIONS,
             f"paged_decode_attention_native: cache dtype {k_cache.dtype} is not supported "
+            f"(float32, bfloat16, float8_e4m3fn or float8_e5m2)")
+    require(q.dtype in _QUERY_DTYPES,
+            f"paged_decode_attention_native: query dtype {q.dtype} is not supported "
             f"(float32 or bfloat16)")
     require(k_cache.stride() == v_cache.stride(),
             f"paged_decode_attention_native: k_cache strides {k_cache.stride()} != v_cache "
             f"strides {v_cache.stride()}")
     lib = native.library()
     require(lib is not None, f"paged_decode_attention_native: {native.unavailable_reason()}")
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=torch.float32)
     if num_seqs == 0:
-        return out
-    q = q.contiguous()
+        return out.to(q.dtype)
+    query = q.to(torch.float32).contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     block_size = k_cache.shape[1]
@@ -73,11 +81,11 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     workspace = scratch("native_decode", (num_seqs * max(max_parts, 1) * num_q_heads
                                           * (head_dim + 2),), torch.float32, q.device)
     status = getattr(lib, _FUNCTIONS[k_cache.dtype])(
-        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[0],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
         ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(),
         _threads or torch.get_num_threads())
     require(status == 0, f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
-    return out
+    return out.to(q.dtype)

@@ -2,7 +2,8 @@
 
 Sequence b's query sits at position context_lens[b] - 1 and attends to keys
 0 .. context_lens[b] - 1, which are already stored in the blocks block_tables[b, :]. GQA: query
-head h reads kv head h // (Hq // Hkv).
+head h reads kv head h // (Hq // Hkv). The cache may be narrower than q (kernels/kv_format.py):
+its elements are widened to q's dtype as they are read.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import triton.language as tl
 
 from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
-                      dot_precision, require)
+                      dot_precision, require, triton_dtype)
 from ._workspace import scratch
+from .kv_format import load_kv, raw, triton_format
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens) -> tuple[int, int, int, int]:
@@ -42,7 +44,7 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
     ids = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
     out = scratch(purpose, (rows * num_blocks, block_size, num_kv_heads, head_dim),
                   cache.dtype, cache.device)
-    torch.index_select(cache, 0, ids, out=out)
+    torch.index_select(raw(cache), 0, ids, out=raw(out))
     return out.view(rows, num_blocks * block_size, num_kv_heads, head_dim)
 
 
@@ -61,8 +63,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size = k_cache.shape[1]
     max_context = int(context_lens.max())
     num_blocks = triton.cdiv(max_context, block_size)
-    keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").transpose(1, 2)
-    values = gather_pages(v_cache, block_tables, num_blocks, "decode_v").transpose(1, 2)
+    keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").to(q.dtype).transpose(1, 2)
+    values = gather_pages(v_cache, block_tables, num_blocks, "decode_v").to(q.dtype).transpose(1, 2)
     positions = torch.arange(num_blocks * block_size, device=q.device)
     visible = (positions[None, :] < context_lens[:, None]).view(num_seqs, 1, 1, -1)
     out = F.scaled_dot_product_attention(q.view(num_seqs, num_q_heads, 1, head_dim), keys, values,
@@ -78,7 +80,7 @@ def _paged_decode_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head,
     group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
 ):
     # One program per (sequence, kv head): the kv head's whole query group shares each K/V page
     # load; the group is padded to BLOCK_G >= 16 rows so the scores are one tl.dot.
@@ -104,8 +106,8 @@ def _paged_decode_kernel(
         kv_mask = (positions[:, None] < context_len) & (dims[None, :] < head_dim)
         kv_offsets = (block * stride_cache_block + offsets[:, None] * stride_cache_offset
                       + head_base + dims[None, :])
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
+        v = load_kv(v_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         scores = tl.where(positions[None, :] < context_len, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -134,12 +136,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return out
     group_size = num_q_heads // num_kv_heads
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
+        q, raw(k_cache), raw(v_cache), block_tables, context_lens, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         group_size, head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group_size)),
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+        KV_FORMAT=triton_format(k_cache.dtype), DTYPE=triton_dtype(q.dtype),
     )
     return out

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
-                      dot_precision, require)
+                      dot_precision, require, triton_dtype)
+from .kv_format import load_kv, raw, triton_format
 
 
 def _check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
@@ -29,6 +30,13 @@ def _check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens
             f"and {num_seqs + 1} cu_seqlens_q entries, got {block_tables.shape[0]} and "
             f"{cu_seqlens_q.shape[0]}")
     return dims
+
+
+def widen(cache: torch.Tensor, ids: torch.Tensor, context_len: int,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The first context_len tokens of pages `ids`, as [context_len, Hkv, D] in `dtype`."""
+    pages = raw(cache).index_select(0, ids).view(cache.dtype)
+    return pages.flatten(0, 1)[:context_len].to(dtype)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,8 +64,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                 f"context of only {context_len}")
         num_blocks = triton.cdiv(context_len, block_size)
         ids = block_tables[seq, :num_blocks].long()
-        keys = k_cache.index_select(0, ids).flatten(0, 1)[:context_len].transpose(0, 1)
-        values = v_cache.index_select(0, ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        keys = widen(k_cache, ids, context_len, q.dtype).transpose(0, 1)
+        values = widen(v_cache, ids, context_len, q.dtype).transpose(0, 1)
         queries = q[q_start:q_end].transpose(0, 1)
         if q_len == context_len:
             mask, causal = None, True
@@ -80,7 +88,7 @@ def _paged_prefill_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head,
     group_size, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
 ):
     # One program per (tile of BLOCK_M query rows, sequence, query head); it walks the
     # sequence's pages up to the tile's last query position with an online softmax.
@@ -115,8 +123,8 @@ def _paged_prefill_kernel(
         kv_mask = (key_pos[:, None] < context_len) & (dims[None, :] < head_dim)
         kv_offsets = (block * stride_cache_block + offsets[:, None] * stride_cache_offset
                       + head_base + dims[None, :])
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
+        v = load_kv(v_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < context_len)
         scores = tl.where(visible, scores, float("-inf"))
@@ -154,12 +162,13 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     block_m = 32
     grid = (triton.cdiv(num_tokens, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, raw(k_cache), raw(v_cache), block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads // num_kv_heads, head_dim,
         BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), KV_FORMAT=triton_format(k_cache.dtype),
+        DTYPE=triton_dtype(q.dtype),
     )
     return out

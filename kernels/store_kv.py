@@ -1,7 +1,8 @@
 """Write the new tokens' K and V into their cache slots.
 
 Slot s is block s // block_size, offset s % block_size; slot -1 means "do not store" (padding
-tokens, or tokens whose K/V another rank owns).
+tokens, or tokens whose K/V another rank owns). A cache narrower than the model dtype (bf16 under
+fp32, fp8: kernels/kv_format.py) gets the values converted, fp8 saturated to its range.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_cache_pair, check_int_tensor, require
+from .kv_format import check_storage, raw, to_storage
 
 
 def _check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -19,8 +21,9 @@ def _check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
             f"got {tuple(key.shape)}")
     require(value.shape == key.shape,
             f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    require(key.dtype == k_cache.dtype and value.dtype == k_cache.dtype,
-            f"store_kv: key/value dtypes {key.dtype}/{value.dtype} != cache dtype {k_cache.dtype}")
+    require(value.dtype == key.dtype,
+            f"store_kv: value dtype {value.dtype} != key dtype {key.dtype}")
+    check_storage("store_kv", key.dtype, k_cache.dtype)
     require(key.stride(-1) == 1 and value.stride(-1) == 1,
             f"store_kv: key/value head_dim axis must have stride 1, got {key.stride()}, {value.stride()}")
     check_int_tensor("store_kv", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
@@ -38,10 +41,10 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     # Flattening [num_blocks, block_size] into slots needs those two axes to be mergeable,
     # which holds for layer views of the contract's kv_cache (inner axes contiguous).
-    k_slots = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_slots = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_slots.index_copy_(0, slot_mapping, key)
-    v_slots.index_copy_(0, slot_mapping, value)
+    k_slots = raw(k_cache).view(num_blocks * block_size, *k_cache.shape[2:])
+    v_slots = raw(v_cache).view(num_blocks * block_size, *v_cache.shape[2:])
+    k_slots.index_copy_(0, slot_mapping, raw(to_storage(key, k_cache.dtype)))
+    v_slots.index_copy_(0, slot_mapping, raw(to_storage(value, v_cache.dtype)))
 
 
 @triton.jit
@@ -71,15 +74,17 @@ def _store_kv_kernel(
 
 def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Triton version of store_kv_ref (same signature, same effect)."""
+    """Triton version of store_kv_ref (same signature, same effect). The dtype conversion runs
+    in torch first; the kernel copies elements (fp8 as bytes)."""
     _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
     require(k_cache.stride() == v_cache.stride(),
             f"store_kv: k_cache strides {k_cache.stride()} != v_cache strides {v_cache.stride()}")
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    key, value = raw(to_storage(key, k_cache.dtype)), raw(to_storage(value, v_cache.dtype))
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, raw(k_cache), raw(v_cache), slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,

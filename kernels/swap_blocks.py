@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_block_mapping, require
+from .kv_format import raw
 
 
 def _check_swap_blocks(src_cache, dst_cache, block_mapping) -> None:
@@ -38,6 +39,7 @@ def swap_blocks_ref(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     mapping = block_mapping.cpu()
     src = mapping[:, 0].to(src_cache.device, non_blocking=True)
     dst = mapping[:, 1].to(dst_cache.device, non_blocking=True)
+    src_cache, dst_cache = raw(src_cache), raw(dst_cache)  # fp8 as bytes (no CPU fp8 index_copy_)
     blocks = src_cache.index_select(2, src)
     if blocks.device != dst_cache.device:
         to_device = dst_cache.device.type == "cuda"

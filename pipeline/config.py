@@ -13,6 +13,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# --kv-cache-dtype names (kernels/kv_format.py maps them to torch dtypes; kept here torch-free)
+KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -53,8 +56,12 @@ class CacheArgs:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 1.0  # GiB of host swap pool
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # kernels/kv_format.py: auto, bfloat16, fp8 (e4m3), fp8_e5m2 ...
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -225,6 +232,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "--gpu-memory-utilization on CUDA")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.cache.gpu_memory_utilization)
     p.add_argument("--swap-space", type=float, default=d.cache.swap_space, help="GiB of host swap pool")
+    p.add_argument("--kv-cache-dtype", default=d.cache.kv_cache_dtype, choices=KV_CACHE_DTYPE_NAMES,
+                   help="KV cache storage: auto (the model dtype), bfloat16, float16, float32, "
+                        "fp8 (= fp8_e4m3) or fp8_e5m2; fp8 halves bf16's cache bytes and decode "
+                        "attention reads, unscaled like vLLM without calibration")
     _bool_flag(p, "enable-prefix-caching", d.cache.enable_prefix_caching, "share cached prompt prefixes")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

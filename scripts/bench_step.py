@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import native_decode_attention  # noqa: E402
+from kernels.kv_format import KV_CACHE_DTYPES, resolve_kv_cache_dtype, to_storage  # noqa: E402
 from workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
 from workers.model_runner import ModelRunner, SeqStep  # noqa: E402
 
@@ -118,6 +119,8 @@ def main() -> None:
     parser.add_argument("--attention-threads", type=int, default=0,
                         help="threads of the native CPU decode kernel (0: same as --threads)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="KV cache storage (auto: --dtype); fp8 reads a quarter of fp32's bytes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,15 +131,19 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     config = load_config(model_dir)
     blocks_per_seq = -(-args.context // args.block_size)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     runner = ModelRunner(config, None if args.random_weights else model_dir, dtype, "cpu",
-                         args.block_size, max(batches) * blocks_per_seq)
-    runner.kv_cache.normal_()
+                         args.block_size, max(batches) * blocks_per_seq,
+                         kv_cache_dtype=cache_dtype)
+    for layer in runner.kv_cache:  # random K/V (fp8 has no normal_), a layer at a time
+        layer.copy_(to_storage(torch.randn(layer.shape), cache_dtype))
 
     flops, params = matmul_roofline(config, max(batches), dtype)
     roofline = flops / (2 * params)
     print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s over {params / 1e6:.1f}M matmul "
           f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
     report = {"model": args.model, "dtype": args.dtype, "context": args.context,
+              "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
               "matmul_gflops": round(flops / 1e9, 1),
               "roofline_tok_s": round(roofline, 1), **cpu_info()}

@@ -51,9 +51,12 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, model_dir: str | Path | None, dtype: torch.dtype,
                  device: torch.device | str, block_size: int, num_blocks: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        """`model_dir=None` gives random weights of the real shapes (benchmarks only)."""
+                 tp_rank: int = 0, tp_size: int = 1,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
+        """`model_dir=None` gives random weights of the real shapes (benchmarks only).
+        `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size, self.num_blocks = block_size, num_blocks
         self.tp = TPGroup(tp_rank, tp_size)
         self.model = model_class(config.architecture)(config, self.tp, dtype, self.device)
@@ -64,10 +67,11 @@ class ModelRunner:
         self.model.eval()
         if os.environ.get("PAGEDSERVE_PREPACK", "1") != "0":
             prepack_linears(self.model)
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, self.device,
-                                          tp_size, tp_rank)
-        log.info("model runner rank %d/%d: %s, %s, %d blocks of %d tokens (%.1f MiB)",
-                 tp_rank, tp_size, config.architecture, dtype, num_blocks, block_size,
+        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
+                                          self.device, tp_size, tp_rank)
+        log.info("model runner rank %d/%d: %s, %s, %s cache, %d blocks of %d tokens (%.1f MiB)",
+                 tp_rank, tp_size, config.architecture, dtype, self.kv_cache_dtype, num_blocks,
+                 block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def set_cpu_threads(self, small_step: int, large_step: int) -> None:

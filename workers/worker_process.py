@@ -54,6 +54,7 @@ def build_core(cfg: EngineConfig, rank: int):
     from workers.distributed import init_distributed
     from workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
     from kernels import native_decode_attention
+    from kernels.kv_format import resolve_kv_cache_dtype
     from workers.loader import load_config as load_model_config
     from workers.model_runner import ModelRunner
     from workers.sampler import Sampler
@@ -66,6 +67,7 @@ def build_core(cfg: EngineConfig, rank: int):
         torch.set_num_threads(cfg.parallel.threads_per_rank())
         native_decode_attention.set_threads(cfg.parallel.attention_threads_per_rank())
     dtype = resolve_dtype(cfg.model.dtype, device)
+    cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     model_config = load_model_config(cfg.model.model)
     init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
     torch.manual_seed(cfg.model.seed)
@@ -75,20 +77,22 @@ def build_core(cfg: EngineConfig, rank: int):
     if budget is None and device.type == "cpu":
         budget = DEFAULT_CPU_KV_BYTES
     if budget is not None:
-        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, dtype, budget, tp)
+        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, cache_dtype,
+                                             budget, tp)
     else:
         probe = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size, 1,
-                            rank, tp)
+                            rank, tp, cache_dtype)
         free = device_budget_bytes(device, memory_utilization=cfg.cache.gpu_memory_utilization)
-        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, dtype, free, tp)
+        runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, cache_dtype,
+                                             free, tp)
         del probe
         torch.cuda.empty_cache()
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
-                         runner_blocks, rank, tp)
+                         runner_blocks, rank, tp, cache_dtype)
     if adapt_threads:
         runner.set_cpu_threads(cfg.parallel.threads_per_rank(),
                                cfg.parallel.attention_threads_per_rank())
-    per_block = block_bytes(model_config, cfg.cache.block_size, dtype, tp)
+    per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,

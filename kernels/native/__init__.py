@@ -22,8 +22,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-_SOURCES = ("paged_attention.c",)
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared",
+# One translation unit per KV cache format (compiled in parallel) plus the task pool; the
+# header holds the kernel bodies they instantiate.
+_SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c")
+_HEADERS = ("paged_attention.h",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 
 _library: ctypes.CDLL | None = None
@@ -77,8 +80,25 @@ def _compile(compiler: str, sources: list[Path], target: Path) -> None:
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_flags(), "-o", str(built), *map(str, sources)],
-                                    capture_output=True, text=True, timeout=300)
+            objects = [Path(tmp) / (src.stem + ".o") for src in sources]
+            jobs = [subprocess.Popen([compiler, *_flags(), "-c", "-o", str(obj), str(src)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    for src, obj in zip(sources, objects)]
+            failures = []
+            for job in jobs:
+                try:
+                    _, err = job.communicate(timeout=300)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    _, err = job.communicate()
+                    err = f"timed out after 300 s\n{err}"
+                if job.returncode != 0:
+                    failures.append(err.strip())
+            if failures:
+                raise RuntimeError(f"{compiler} failed: {failures[0][-2000:]}")
+            result = subprocess.run([compiler, *_flags(), "-shared", "-o", str(built),
+                                     *map(str, objects)], capture_output=True, text=True,
+                                    timeout=300)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
             os.replace(built, target)
@@ -86,7 +106,7 @@ def _compile(compiler: str, sources: list[Path], target: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
+    for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_e4m3", "paged_decode_e5m2"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32,
@@ -106,7 +126,8 @@ def library() -> ctypes.CDLL | None:
     here = Path(__file__).parent
     sources = [here / name for name in _SOURCES]
     try:
-        key = _build_key(compiler, b"".join(path.read_bytes() for path in sources))
+        key = _build_key(compiler, b"".join(path.read_bytes()
+                                            for path in sources + [here / h for h in _HEADERS]))
         target = _cache_root() / "kernels" / key / "pagedserve_native.so"
         if not target.exists():
             _compile(compiler, sources, target)

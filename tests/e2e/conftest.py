@@ -36,8 +36,10 @@ def shm_segments(prefix: str = "pagedserve-") -> list[str]:
 
 @pytest.fixture(scope="module")
 def llm_bf16(model_dir):
-    """One TP=1 bf16 group shared by the tests of a module."""
+    """One TP=1 group shared by the tests of a module (the dtype `auto` picks for this host). Its
+    KV cache is fp8, so these tests also run swap, abort and streaming over an fp8 cache."""
     from pipeline import LLM
-    llm = LLM(model=str(model_dir), max_num_seqs=256, kv_cache_memory="512MiB", swap_space=0.25)
+    llm = LLM(model=str(model_dir), max_num_seqs=256, kv_cache_memory="512MiB", swap_space=0.25,
+              kv_cache_dtype="fp8")
     yield llm
     llm.close()

@@ -44,11 +44,18 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         assert out.outputs[0].text == tokenizer.decode(exp, skip_special_tokens=True)
 
 
-def test_generate_returns_outputs_in_input_order_with_text_prompts(llm_bf16):
+def test_generate_returns_outputs_in_input_order_with_text_prompts(llm_bf16, model_dir):
     params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in (3, 9, 1, 5)]
     outs = llm_bf16.generate(PROMPTS[:4], params)
     assert [o.prompt for o in outs] == PROMPTS[:4]
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1, 5]
+    # the fixture's fp8 cache: one byte per element, so 512 MiB holds that many blocks
+    from workers.kv_cache import num_blocks_for_bytes
+    import torch
+    from workers.loader import load_config
+    config = load_config(model_dir)
+    assert llm_bf16.stats()["kv_blocks_total"] == num_blocks_for_bytes(
+        config, 16, torch.float8_e4m3fn, 512 << 20)
 
 
 def _client_process(frontend, output, n, offset, queue):

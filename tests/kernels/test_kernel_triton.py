@@ -104,6 +104,57 @@ def test_copy_blocks_matches_reference(triton_kernels, rng, device, block_size):
     assert kv_cache[:, :, 8].isnan().all()               # untouched block stays untouched
 
 
+NARROW_CACHES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16]
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+def test_attention_reads_narrow_caches_like_the_reference(triton_kernels, poisoned_outputs, rng,
+                                                          device, cache_dtype):
+    """fp32 queries over an fp8 or bf16 cache (kernels/kv_format.py): the kernels widen each
+    element by bit manipulation, the references by torch's conversion; both must agree."""
+    from kernels.kv_format import to_storage
+    block_size, num_q_heads, num_kv_heads, head_dim = 16, 9, 3, 32
+    kv_cache = make_kv_cache(rng, 1, 12, block_size, num_kv_heads, head_dim, torch.float32)
+    # spread over fp8's range: normals, subnormals (e4m3 below 2**-6) and saturation
+    kv_cache = to_storage(kv_cache * torch.logspace(-3, 3, head_dim), cache_dtype).to(device)
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+    context_lens = [1, 21, 40, 7]
+    tables = shuffled_block_tables(rng, context_lens, block_size, 12).to(device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    decode = triton_kernels["paged_decode_attention"]
+    q = torch.randn(len(context_lens), num_q_heads, head_dim, generator=rng).to(device) * 0.05
+    out = decode.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1)
+    assert rel_error(out, decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens,
+                                                            0.1)) < 1e-3
+    prefill = triton_kernels["paged_prefill_attention"]
+    q_lens = [1, 13, 40, 2]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=rng).to(device) * 0.05
+    out = prefill.paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, lens, 0.1)
+    assert rel_error(out, prefill.paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu,
+                                                              lens, 0.1)) < 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+def test_store_kv_converts_into_narrow_caches(triton_kernels, rng, device, cache_dtype):
+    from kernels.kv_format import raw, to_storage
+    module = triton_kernels["store_kv"]
+    kv_cache = torch.zeros((1, 2, 4, 16, 3, 24), device=device).to(cache_dtype)
+    expected = kv_cache.clone()
+    slots = torch.tensor([5, -1, 63, 17, 0], device=device)
+    key = torch.randn(5, 3, 24, generator=rng).to(device) * 100   # past e4m3's 448: saturates
+    value = torch.randn(5, 3, 24, generator=rng).to(device)
+    module.store_kv_triton(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
+    module.store_kv_ref(key, value, expected[0, 0], expected[0, 1], slots)
+    assert torch.equal(raw(kv_cache), raw(expected))
+    assert kv_cache.float().isfinite().all()
+    k_slots = kv_cache[0, 0].flatten(0, 1)
+    assert torch.equal(raw(k_slots[5]), raw(to_storage(key[0], cache_dtype)))
+    written = raw(k_slots).flatten(1).any(1).nonzero().flatten().tolist()
+    assert written == [0, 5, 17, 63]                       # and slot -1 wrote nothing
+
+
 @pytest.mark.skipif(triton_runs_here(), reason="the Triton tests above run in this process")
 def test_triton_suite_in_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -12,6 +12,7 @@ from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_blo
 
 import kernels
 from kernels import native, native_decode_attention
+from kernels.kv_format import to_storage
 from kernels.native_decode_attention import paged_decode_attention_native
 from kernels.paged_decode_attention import paged_decode_attention_ref
 
@@ -47,6 +48,44 @@ def test_matches_reference_and_naive(rng, dtype, num_q_heads, num_kv_heads, bloc
     for row, n in enumerate(context_lens):
         expected = naive_attention(q[row:row + 1], k_cache, v_cache, tables[row], n, 1, scale)
         assert rel_error(out[row:row + 1], expected) < TOLERANCE[dtype], row
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", [
+    (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2),
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (10, 1, 40)])
+def test_narrow_caches_match_the_reference(rng, cache_dtype, q_dtype, num_q_heads, num_kv_heads,
+                                           head_dim):
+    # fp8 (and bf16 under fp32) caches, kernels/kv_format.py: the vector path (64) and the
+    # portable one (40, a group of 10) against the reference, which widens with torch.
+    context_lens = [70, 1, 17, 1100, 5, 513]
+    q, k_cache, v_cache, tables, lens, scale = _inputs(rng, context_lens, num_q_heads,
+                                                       num_kv_heads, 16, head_dim, torch.float32)
+    k_cache, v_cache = to_storage(k_cache * 4, cache_dtype), to_storage(v_cache, cache_dtype)
+    args = (q.to(q_dtype), k_cache, v_cache, tables, lens, scale)
+    out = paged_decode_attention_native(*args)
+    assert out.dtype == q_dtype
+    assert rel_error(out, paged_decode_attention_ref(*args)) < TOLERANCE[q_dtype]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_every_fp8_byte_widens_exactly(cache_dtype, head_dim):
+    # One key: attention returns its V row, so out is the kernel's widening of each byte. All
+    # finite bytes (normals, subnormals, zeros of both signs) must equal torch's conversion.
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    codes = codes[codes.float().isfinite()]
+    rows = -(-codes.numel() // head_dim)
+    flat = torch.zeros(rows * head_dim, dtype=torch.uint8).view(cache_dtype)
+    flat[:codes.numel()] = codes
+    v_cache = flat.view(rows, 1, 1, head_dim)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(rows, 1, head_dim)
+    tables = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    lens = torch.ones(rows, dtype=torch.int32)
+    out = paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 1.0)
+    assert torch.equal(out.flatten()[:codes.numel()], codes.float())
 
 
 def test_partitions_of_one_long_sequence_merge_exactly(rng, monkeypatch):
@@ -125,11 +164,15 @@ from kernels.native_decode_attention import paged_decode_attention_native
 from kernels.paged_decode_attention import paged_decode_attention_ref
 assert native.library() is not None, native.unavailable_reason()
 rng = torch.Generator().manual_seed(0)
-for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
+                         (torch.float32, torch.float8_e4m3fn, 1e-5),
+                         (torch.float32, torch.float8_e5m2, 1e-5)):
     for hq, hkv, d in ((9, 3, 64), (8, 1, 128), (4, 4, 64)):
         lens = [70, 1, 17, 1100, 5, 513, 64]
         blocks = sum(-(-n // 16) for n in lens) + 3
         kv = make_kv_cache(rng, 1, blocks, 16, hkv, d, dtype)
+        if cache is not None:
+            kv = kv.to(cache)
         tables = shuffled_block_tables(rng, lens, 16, blocks)
         q = torch.randn(len(lens), hq, d, generator=rng).to(dtype)
         args = (q, kv[0, 0], kv[0, 1], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)

@@ -32,3 +32,13 @@ def test_cpu_threads_flag_wins_and_is_checked():
         _cfg("--cpu-threads", "0")
     with pytest.raises(ValueError, match="--cpu-threads"):
         ParallelArgs(cpu_threads=-3)
+
+
+def test_kv_cache_dtype_flag():
+    assert _cfg().cache.kv_cache_dtype == "auto"
+    assert _cfg("--kv-cache-dtype", "fp8").cache.kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):   # argparse names the choices
+        _cfg("--kv-cache-dtype", "int4")
+    from pipeline.config import EngineConfig
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, .*got 'q8'"):
+        EngineConfig.from_kwargs(kv_cache_dtype="q8")

@@ -192,3 +192,33 @@ def test_kv_cache_sizing_and_per_rank_layout():
     assert tuple(allocate_swap_pool(ranks[1], 5).shape) == (30, 2, 5, 16, 1, 64)
     with pytest.raises(ValueError, match="at least one block"):
         allocate_kv_cache(config, 0, 16, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_narrow_kv_cache_computes_what_its_values_hold(tiny_dir, monkeypatch, cache_dtype):
+    """--kv-cache-dtype: an fp32 model over a bf16 or fp8 cache equals an fp32 cache holding the
+    same rounded K/V. The first step reads fresh K/V back through the prefill kernel; the second
+    reads the cache through both the decode and the prefill kernels. (How much the rounding
+    itself costs is a property of the model: on SmolLM2, see README.)"""
+    import kernels
+    from kernels.kv_format import to_storage
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (30, 17, 1)]
+    tables = [[0, 1, 2], [5, 6], [9]]
+    steps = [[SeqStep(prompts[0][:20], 0, tables[0], False),
+              SeqStep(prompts[1], 0, tables[1], True), SeqStep(prompts[2], 0, tables[2], True)],
+             [SeqStep(prompts[0][20:], 20, tables[0], True), SeqStep([7], 17, tables[1], True),
+              SeqStep([9], 1, tables[2], True)]]
+    narrow = ModelRunner(load_config(tiny_dir), tiny_dir, torch.float32, "cpu", BLOCK_SIZE,
+                         NUM_BLOCKS, kv_cache_dtype=cache_dtype)
+    assert narrow.kv_cache.dtype == cache_dtype
+    narrow_logits = [all_row_logits(narrow, items)[0].clone() for items in steps]  # own buffers
+
+    store = kernels.store_kv
+    def store_rounded(key, value, k_cache, v_cache, slots):
+        store(to_storage(key, cache_dtype).float(), to_storage(value, cache_dtype).float(),
+              k_cache, v_cache, slots)
+    monkeypatch.setattr(kernels, "store_kv", store_rounded)
+    wide = make_runner(tiny_dir)
+    for items, got in zip(steps, narrow_logits):
+        torch.testing.assert_close(got, all_row_logits(wide, items)[0], rtol=1e-4, atol=1e-4)

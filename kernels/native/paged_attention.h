@@ -1,8 +1,14 @@
 /* Paged decode attention for CPU workers, called through ctypes (kernels/native/__init__.py).
  *
+ * This header holds the kernel bodies as macros; decode_<format>.c instantiates them for one
+ * cache format each (separate files so the compiler builds them in parallel) and task_pool.c
+ * runs the tasks.
+ *
  * Same contract as paged_decode_attention_ref (kernels/paged_decode_attention.py): caches are layer views
- * [num_blocks, block_size, Hkv, D] with unit stride on D; q and out are [N, Hq, D] contiguous;
- * query head qh reads kv head qh / (Hq / Hkv).
+ * [num_blocks, block_size, Hkv, D] with unit stride on D; q and out are [N, Hq, D] contiguous fp32
+ * (the Python wrapper converts a bf16 query and output); query head qh reads kv head qh / (Hq / Hkv).
+ * The cache holds fp32, bf16 or fp8 (e4m3fn or e5m2, kernels/kv_format.py): one entry point per
+ * format, paged_decode_{f32,bf16,e4m3,e5m2}; every element is widened to fp32 as it is loaded.
  *
  * Why a native kernel: on a CPU the torch path gathers every sequence's pages into a scratch
  * buffer and then runs SDPA over it, so the KV cache crosses the memory bus three times and
@@ -18,14 +24,12 @@
  * Compiled with -O3 -march=native and the float flags that allow
  * vectorized reductions; no -ffast-math (it would set FTZ/DAZ for the whole process).
  */
+#ifndef PAGEDSERVE_PAGED_ATTENTION_H
+#define PAGEDSERVE_PAGED_ATTENTION_H
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
-#include <unistd.h>
-#include <omp.h>
 
 typedef uint16_t bf16_t;
 
@@ -36,13 +40,32 @@ static inline float load_bf16(const bf16_t *p, int64_t i) {
     return v.f;
 }
 static inline void store_f32(float *p, int64_t i, float x) { p[i] = x; }
-static inline void store_bf16(bf16_t *p, int64_t i, float x) {
+
+/* IEEE half -> float (subnormals, inf and NaN included), for the portable fp8 loads. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
     union { uint32_t u; float f; } v;
-    v.f = x;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (bf16_t)((u >> 16) | 0x40u); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    p[i] = (bf16_t)(u >> 16);
+    if (exp == 0x1fu) {
+        v.u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        v.f = (float)mant * (1.0f / 16777216.0f);   /* mant * 2^-24 */
+        v.u |= sign;
+    } else {
+        v.u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return v.f;
+}
+/* fp8 bytes as halves: e5m2 is the top byte of an IEEE half; e4m3fn's exponent and mantissa
+ * placed in a half's (bias 15 instead of 7) give the value / 256, subnormals included. The
+ * e4m3fn NaN byte (0x7f/0xff) reads as 480: the store side saturates and never writes it. */
+static inline uint16_t e5m2_half(uint8_t x) { return (uint16_t)((uint16_t)x << 8); }
+static inline uint16_t e4m3_half(uint8_t x) {
+    return (uint16_t)(((x & 0x7fu) << 7) | ((x & 0x80u) << 8));
+}
+static inline float load_e5m2(const uint8_t *p, int64_t i) { return half_to_float(e5m2_half(p[i])); }
+static inline float load_e4m3(const uint8_t *p, int64_t i) {
+    return half_to_float(e4m3_half(p[i])) * 256.0f;
 }
 
 /* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^x = 2^i * 2^f, |f| <= 0.5,
@@ -66,12 +89,16 @@ static inline float exp_nonpos(float x) {
 
 #define MAX_HEAD_DIM 256
 
+/* cache element formats */
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_E4M3 = 2, FMT_E5M2 = 3 };
+static inline int fmt_bytes(int fmt) { return fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1; }
+
 /* Portable decode task: one query row q[Hq, D] against keys [k0, k1) of one sequence. Writes,
  * per query head, the max score m, the sum of exp(s - m) l and the unnormalized accumulator
  * acc[D] (fp32), into part_m / part_l / part_acc. */
 #define DEFINE_TASK(SUFFIX, T, LOAD)                                                          \
 static inline __attribute__((always_inline)) int attend_##SUFFIX(                          \
-        const T *q, const T *k_cache, const T *v_cache, int64_t stride_blk, int64_t stride_tok,          \
+        const float *q, const T *k_cache, const T *v_cache, int64_t stride_blk, int64_t stride_tok,      \
         int64_t stride_head, const int32_t *table, int64_t num_blocks, int block_size,     \
         int64_t k0, int64_t k1,                                                              \
         int num_q_heads, int num_kv_heads, int head_dim, float scale,                         \
@@ -79,7 +106,7 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
     const int group = num_q_heads / num_kv_heads;                                             \
     const int64_t n = k1 - k0;                                                                \
     const int D = head_dim;                                                                   \
-    for (int64_t i = 0; i < (int64_t)num_q_heads * D; i++) qf[i] = LOAD(q, i) * scale;        \
+    for (int64_t i = 0; i < (int64_t)num_q_heads * D; i++) qf[i] = q[i] * scale;              \
     /* pass 1: scores[qh * n + j] for key k0 + j */                                           \
     const int64_t lines = num_q_heads;                                                        \
     for (int64_t t = k0; t < k1;) {                                                           \
@@ -139,13 +166,11 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
     return 0;                                                                                 \
 }
 
-DEFINE_TASK(f32, float, load_f32)
-DEFINE_TASK(bf16, bf16_t, load_bf16)
 
 /* ---- vector path: decode_fixed for head sizes 64 and 128 and GQA groups up to 8 ----------
  * One body for two ISAs: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), chosen at compile time by
  * -march=native; other CPUs and other shapes take the portable attend_* path. */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #define HAVE_VECTOR 1
 #if defined(__AVX512F__)
@@ -162,10 +187,17 @@ static inline vec v_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v_storef(float *p, vec a) { _mm512_storeu_ps(p, a); }
 static inline float v_sum(vec a) { return _mm512_reduce_add_ps(a); }
 static inline float v_hmax(vec a) { return _mm512_reduce_max_ps(a); }
-static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int is_bf16) {
-    if (is_bf16) {
+static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int fmt) {
+    if (fmt == FMT_BF16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    if (fmt == FMT_E5M2)   /* the byte is a half's top byte */
+        return _mm512_cvtph_ps(_mm256_slli_epi16(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i))), 8));
+    if (fmt == FMT_E4M3) {  /* sign-extend, shift exponent+mantissa into a half's, clear bit 14 */
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i)));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-16385)));
     }
     return _mm512_loadu_ps((const float *)base + i);
 }
@@ -197,10 +229,18 @@ static inline float v_hmax(vec a) {
     x = _mm_max_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
-static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int is_bf16) {
-    if (is_bf16) {
+static inline __attribute__((always_inline)) vec v_load(const void *base, int64_t i, int fmt) {
+    if (fmt == FMT_BF16) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)((const bf16_t *)base + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    if (fmt == FMT_E5M2) {  /* the byte is a half's top byte */
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i));
+        return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), raw));
+    }
+    if (fmt == FMT_E4M3) {  /* sign-extend, shift exponent+mantissa into a half's, clear bit 14 */
+        const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + i)));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(-16385)));
     }
     return _mm256_loadu_ps((const float *)base + i);
 }
@@ -236,11 +276,11 @@ static inline vec v_exp(vec x) {
  * misses in flight instead of stalling on a burst. */
 static inline __attribute__((always_inline)) const char *block_start(
         const void *cache, const int32_t *table, int64_t index, int64_t last, int64_t num_blocks,
-        int64_t stride_blk, int is_bf16) {
+        int64_t stride_blk, int fmt) {
     if (index > last) return NULL;
     const int64_t blk = table[index];
     if (blk < 0 || blk >= num_blocks) return NULL;
-    return (const char *)cache + blk * stride_blk * (is_bf16 ? 2 : 4);
+    return (const char *)cache + blk * stride_blk * fmt_bytes(fmt);
 }
 
 static inline __attribute__((always_inline)) void prefetch_row(const char *block, int64_t row,
@@ -254,15 +294,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *block
  * group's query rows and accumulators stay in registers across a block's tokens, and the V row
  * is converted once per (token, kv head). Same numbers as attend_* up to summation order. */
 static inline __attribute__((always_inline)) int decode_fixed(
-        const void *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
+        const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, const int NV, const int G,
-        float scale, float *scores, float *part_m, float *part_l, float *part_acc, int is_bf16) {
+        float scale, float *scores, float *part_m, float *part_l, float *part_acc, int fmt) {
     const int64_t n = k1 - k0;
     const int64_t D = VW * NV;
     const int num_q_heads = num_kv_heads * G;
-    const int64_t row_bytes = stride_tok * (is_bf16 ? 2 : 4);
-    const vec vscale = v_set1(scale);
+    const int64_t row_bytes = stride_tok * fmt_bytes(fmt);
+    /* v_load gives e4m3 values / 256: K's factor goes into the query's scale, V's into the
+     * accumulators as they are stored */
+    const float unit = fmt == FMT_E4M3 ? 256.0f : 1.0f;
+    const vec vscale = v_set1(scale * unit);
     /* pass 1: scores[qh * n + j] */
     for (int64_t t = k0; t < k1;) {
         const int64_t blk = table[t / block_size];
@@ -272,18 +315,18 @@ static inline __attribute__((always_inline)) int decode_fixed(
         if (count > k1 - t) count = k1 - t;
         const int64_t row0 = blk * stride_blk + off * stride_tok;
         const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
-                                       num_blocks, stride_blk, is_bf16);
+                                       num_blocks, stride_blk, fmt);
         for (int h = 0; h < num_kv_heads; h++) {
             vec qv[G][NV];
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < NV; c++)
-                    qv[g][c] = v_mul(v_load(q, (int64_t)(h * G + g) * D + VW * c, is_bf16), vscale);
+                    qv[g][c] = v_mul(v_loadf(q + (int64_t)(h * G + g) * D + VW * c), vscale);
             float *srow = scores + (int64_t)h * G * n + (t - k0);
             for (int64_t j = 0; j < count; j++) {
                 if (h == 0) prefetch_row(next, j, row_bytes);
                 const int64_t at = row0 + j * stride_tok + h * stride_head;
                 vec k[NV];
-                for (int c = 0; c < NV; c++) k[c] = v_load(k_cache, at + VW * c, is_bf16);
+                for (int c = 0; c < NV; c++) k[c] = v_load(k_cache, at + VW * c, fmt);
                 for (int g = 0; g < G; g++) {
                     vec a = v_mul(qv[g][0], k[0]);
                     for (int c = 1; c < NV; c++) a = v_fmadd(qv[g][c], k[c], a);
@@ -327,12 +370,12 @@ static inline __attribute__((always_inline)) int decode_fixed(
             const int64_t row0 = blk * stride_blk + off * stride_tok;
             const char *next = h == 0 ? block_start(v_cache, table, t / block_size + 1,
                                                     (k1 - 1) / block_size, num_blocks,
-                                                    stride_blk, is_bf16) : NULL;
+                                                    stride_blk, fmt) : NULL;
             for (int64_t j = 0; j < count; j++) {
                 prefetch_row(next, j, row_bytes);
                 const int64_t at = row0 + j * stride_tok + h * stride_head;
                 vec v[NV];
-                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, is_bf16);
+                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, fmt);
                 for (int g = 0; g < G; g++) {
                     const vec p = v_set1(prow[g * n + (t - k0) + j]);
                     for (int c = 0; c < NV; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);
@@ -342,44 +385,45 @@ static inline __attribute__((always_inline)) int decode_fixed(
         }
         for (int g = 0; g < G; g++)
             for (int c = 0; c < NV; c++)
-                v_storef(part_acc + (int64_t)(h * G + g) * D + VW * c, acc[g][c]);
+                v_storef(part_acc + (int64_t)(h * G + g) * D + VW * c,
+                         unit == 1.0f ? acc[g][c] : v_mul(acc[g][c], v_set1(unit)));
     }
     return 0;
 }
 
 /* Specialized decode tasks for D in {64, 128} and G in 1..8; -100 when none fits. */
-#define DECODE_CASE(D_, G_, BF16_)                                                             \
+#define DECODE_CASE(D_, G_, FMT_)                                                              \
     case (D_) * 16 + (G_):                                                                     \
         return decode_fixed(q, k_cache, v_cache, stride_blk, stride_tok, stride_head,          \
                             table, num_blocks, block_size, k0, k1, num_kv_heads, (D_) / VW,    \
-                            G_, scale, scores, part_m, part_l, part_acc, BF16_);
-#define DECODE_CASES(D_, BF16_)                                                                \
-    DECODE_CASE(D_, 1, BF16_) DECODE_CASE(D_, 2, BF16_) DECODE_CASE(D_, 3, BF16_)              \
-    DECODE_CASE(D_, 4, BF16_) DECODE_CASE(D_, 5, BF16_) DECODE_CASE(D_, 6, BF16_)              \
-    DECODE_CASE(D_, 7, BF16_) DECODE_CASE(D_, 8, BF16_)
-#define DEFINE_DECODE_FIXED(SUFFIX, BF16_)                                                     \
+                            G_, scale, scores, part_m, part_l, part_acc, FMT_);
+#define DECODE_CASES(D_, FMT_)                                                                 \
+    DECODE_CASE(D_, 1, FMT_) DECODE_CASE(D_, 2, FMT_) DECODE_CASE(D_, 3, FMT_)                 \
+    DECODE_CASE(D_, 4, FMT_) DECODE_CASE(D_, 5, FMT_) DECODE_CASE(D_, 6, FMT_)                 \
+    DECODE_CASE(D_, 7, FMT_) DECODE_CASE(D_, 8, FMT_)
+#define DEFINE_DECODE_FIXED(SUFFIX, FMT_)                                                      \
 static int decode_fixed_##SUFFIX(                                                             \
-        const void *q, const void *k_cache, const void *v_cache, int64_t stride_blk,          \
+        const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,          \
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,    \
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, int head_dim, int group,    \
         float scale, float *scores, float *part_m, float *part_l, float *part_acc) {           \
     if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128)) return -100;           \
     switch (head_dim * 16 + group) {                                                          \
-        DECODE_CASES(64, BF16_)                                                               \
-        DECODE_CASES(128, BF16_)                                                              \
+        DECODE_CASES(64, FMT_)                                                                \
+        DECODE_CASES(128, FMT_)                                                               \
     }                                                                                         \
     return -100;                                                                              \
 }
-DEFINE_DECODE_FIXED(f32, 0)
-DEFINE_DECODE_FIXED(bf16, 1)
 #else
 #define HAVE_VECTOR 0
+#define DEFINE_DECODE_FIXED(SUFFIX, FMT_)
 #endif
 
 /* Merge the partitions of one (row, head) line by log-sum-exp and store it normalized. Partition
  * p's max, sum and accumulator are m[p * stride], l[p * stride] and acc + p * stride. */
 #define DEFINE_MERGE(SUFFIX, T, STORE)                                                         \
-static void merge_##SUFFIX(const float *m, const float *l, const float *acc, int64_t parts,  \
+static __attribute__((unused)) void merge_##SUFFIX(const float *m, const float *l,          \
+                           const float *acc, int64_t parts,                                  \
                            int64_t stride, int D, T *out) {                                   \
     float mx = -3.0e38f;                                                                      \
     for (int64_t p = 0; p < parts; p++)                                                       \
@@ -400,7 +444,6 @@ static void merge_##SUFFIX(const float *m, const float *l, const float *acc, int
 }
 
 DEFINE_MERGE(f32, float, store_f32)
-DEFINE_MERGE(bf16, bf16_t, store_bf16)
 
 #if HAVE_VECTOR
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc)                              \
@@ -412,119 +455,11 @@ DEFINE_MERGE(bf16, bf16_t, store_bf16)
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc) (-100)
 #endif
 
-/* ---- task pool -------------------------------------------------------------------------
- * The calling thread and num_threads - 1 helper threads claim task indices from one atomic
- * counter; the caller returns once every claimed task is done. Unlike an OpenMP region there is
- * no join: a helper that the OS has not scheduled yet (the cores are shared with the engine's
- * other processes) is simply not waited for, and the caller runs the tasks itself. Measured on
- * the 2-core box with one other busy process: an OpenMP team of 2 took 360-540 ms per 30 decode
- * layers against 80 ms for one thread alone, because every region waited for the descheduled
- * thread to reach its barrier. Correctness never depends on a helper running (after a fork
- * there are none, and the caller does everything). The counter's high 32 bits carry the job's
- * generation so that a helper waking late cannot claim a task of a later job. */
+/* task_pool.c: run fn(ctx, 0 .. ntasks - 1) on up to num_threads threads; per-thread scratch. */
 typedef void (*task_fn)(void *ctx, int64_t task);
+void pa_run_tasks(int num_threads, task_fn fn, void *ctx, int64_t ntasks);
+float *pa_thread_scratch(int64_t floats);
 
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
-static int pool_helpers = 0;
-static uint64_t pool_gen = 0;
-static task_fn pool_fn;
-static void *pool_ctx;
-static int64_t pool_ntasks;
-static _Atomic uint64_t pool_next;
-static _Atomic int64_t pool_done;
-static pid_t pool_pid = 0;
-
-static void claim_and_run(uint64_t gen, task_fn fn, void *ctx, int64_t ntasks) {
-    for (;;) {
-        uint64_t v = atomic_load(&pool_next);
-        if ((v >> 32) != (gen & 0xffffffffu) || (int64_t)(v & 0xffffffffu) >= ntasks) return;
-        if (!atomic_compare_exchange_weak(&pool_next, &v, v + 1)) continue;
-        fn(ctx, (int64_t)(v & 0xffffffffu));
-        atomic_fetch_add(&pool_done, 1);
-    }
-}
-
-static void *pool_helper(void *unused) {
-    (void)unused;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&pool_mu);
-    for (;;) {
-        while (pool_gen == seen) pthread_cond_wait(&pool_cv, &pool_mu);
-        seen = pool_gen;
-        const task_fn fn = pool_fn;
-        void *const ctx = pool_ctx;
-        const int64_t ntasks = pool_ntasks;
-        pthread_mutex_unlock(&pool_mu);
-        claim_and_run(seen, fn, ctx, ntasks);
-        pthread_mutex_lock(&pool_mu);
-    }
-    return NULL;
-}
-
-/* Run fn(ctx, 0..ntasks-1) on the caller and up to num_threads - 1 helpers. One job at a time
- * (callers hold pool_run's lock): the worker calls the kernels from one thread. */
-static void pool_run(int num_threads, task_fn fn, void *ctx, int64_t ntasks) {
-    static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
-    if (ntasks <= 0) return;
-    if (num_threads <= 1 || ntasks == 1) {
-        for (int64_t t = 0; t < ntasks; t++) fn(ctx, t);
-        return;
-    }
-    pthread_mutex_lock(&run_mu);
-    pthread_mutex_lock(&pool_mu);
-    if (pool_pid != getpid()) { pool_helpers = 0; pool_pid = getpid(); }  /* forked: none left */
-    while (pool_helpers < num_threads - 1 && pool_helpers < 63) {
-        pthread_t thread;
-        if (pthread_create(&thread, NULL, pool_helper, NULL) != 0) break;
-        pthread_detach(thread);
-        pool_helpers++;
-    }
-    const uint64_t gen = ++pool_gen;
-    pool_fn = fn;
-    pool_ctx = ctx;
-    pool_ntasks = ntasks;
-    atomic_store(&pool_done, 0);
-    atomic_store(&pool_next, (gen & 0xffffffffu) << 32);
-    pthread_cond_broadcast(&pool_cv);
-    pthread_mutex_unlock(&pool_mu);
-    claim_and_run(gen, fn, ctx, ntasks);
-    for (int spins = 0; atomic_load(&pool_done) < ntasks; spins++)
-        if (spins > 1000) sched_yield();   /* let a preempted helper finish its task */
-    pthread_mutex_unlock(&run_mu);
-}
-
-/* Where torch's OpenMP team is at least as large as the call wants, the tasks run on it instead
- * (dynamically scheduled): its threads are awake and spinning right after torch's previous op,
- * and a second pool would fight them for the cores (measured, 2 torch threads, batch 256 x 512:
- * 365 ms per 30 layers with linears in between on the OpenMP team vs ~490 ms on the pool). The
- * worker runs decode steps with fewer torch threads than attention threads, i.e. on the pool. */
-static void run_tasks(int num_threads, task_fn fn, void *ctx, int64_t ntasks) {
-    if (num_threads <= 1 || ntasks <= 1) {
-        for (int64_t t = 0; t < ntasks; t++) fn(ctx, t);
-    } else if (num_threads <= omp_get_max_threads()) {
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")
-        for (int64_t t = 0; t < ntasks; t++) fn(ctx, t);
-    } else {
-        pool_run(num_threads, fn, ctx, ntasks);
-    }
-}
-
-/* Per-thread scratch for one task (query rows and scores), grown on demand. */
-static float *thread_scratch(int64_t floats) {
-    static __thread float *buffer = NULL;
-    static __thread int64_t capacity = 0;
-    if (floats > capacity) {
-        free(buffer);
-        buffer = malloc(sizeof(float) * floats);
-        capacity = buffer ? floats : 0;
-    }
-    return buffer;
-}
-
-/* Decode: one query row per sequence at position context_lens[b] - 1.
- * workspace: num_seqs * max_parts * Hq * (D + 2) floats, max_parts = ceil(max ctx / part).
- * Returns 0, or a negative code for arguments the wrapper should have rejected. */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
@@ -539,7 +474,8 @@ typedef struct {
 #define DEFINE_DECODE(SUFFIX, T)                                                               \
 static void decode_task_##SUFFIX(void *arg, int64_t task) {                                   \
     decode_job *job = arg;                                                                    \
-    const T *q = job->q, *k_cache = job->k_cache, *v_cache = job->v_cache;                   \
+    const float *q = job->q;                                                                  \
+    const T *k_cache = job->k_cache, *v_cache = job->v_cache;                                 \
     const int64_t stride_blk = job->stride_blk, stride_tok = job->stride_tok;                 \
     const int64_t stride_head = job->stride_head, num_blocks = job->num_blocks;               \
     const int32_t *block_tables = job->block_tables;                                          \
@@ -557,10 +493,10 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     if (ctx < 1 || ctx > job->table_width * block_size) { job->status = -5; return; }        \
     if (k0 >= ctx) { for (int64_t h = 0; h < H; h++) pl[h] = 0.0f; return; }                \
     const int64_t k1 = ctx < k0 + part_tokens ? ctx : k0 + part_tokens;                       \
-    float *qf = thread_scratch(H * D + H * part_tokens);                                      \
+    float *qf = pa_thread_scratch(H * D + H * part_tokens);                                      \
     if (!qf) { job->status = -4; return; }                                                    \
     float *scores = qf + H * D;                                                               \
-    int rc = DECODE_FIXED(b, k0, k1, scores, pm, pl, pacc);                                   \
+    int rc = DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc);                                   \
     if (rc == -100)                                                                           \
         rc = attend_##SUFFIX(q + b * H * D, k_cache, v_cache, stride_blk,                     \
                              stride_tok, stride_head, block_tables + b * table_stride,        \
@@ -578,13 +514,13 @@ static void merge_task_##SUFFIX(void *arg, int64_t task) {                      
     for (int64_t line = task * MERGE_LINES; line < end; line++) {                             \
         const int64_t b = line / H, h = line % H;                                             \
         const float *base = job->workspace + b * job->max_parts * H * line_floats;            \
-        merge_##SUFFIX(base + h, base + H + h, base + 2 * H + h * D, job->max_parts,          \
-                       H * line_floats, (int)D, (T *)job->out + line * D);                    \
+        merge_f32(base + h, base + H + h, base + 2 * H + h * D, job->max_parts,               \
+                  H * line_floats, (int)D, (float *)job->out + line * D);                     \
     }                                                                                         \
 }                                                                                             \
                                                                                               \
 int paged_decode_##SUFFIX(                                                                    \
-        const T *q, T *out, const T *k_cache, const T *v_cache, int64_t stride_blk,          \
+        const float *q, float *out, const T *k_cache, const T *v_cache, int64_t stride_blk,  \
         int64_t stride_tok, int64_t stride_head, int64_t num_blocks,                        \
         const int32_t *block_tables, int64_t table_stride, int64_t table_width,             \
         const int32_t *context_lens, int num_seqs, int num_q_heads, int num_kv_heads,        \
@@ -597,17 +533,21 @@ int paged_decode_##SUFFIX(                                                      
                       num_blocks, table_stride, table_width, block_tables, context_lens,       \
                       num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, part_tokens, \
                       max_parts, scale, workspace, 0};                                        \
-    run_tasks(num_threads, decode_task_##SUFFIX, &job, (int64_t)num_seqs * max_parts);        \
+    pa_run_tasks(num_threads, decode_task_##SUFFIX, &job, (int64_t)num_seqs * max_parts);        \
     if (job.status) return job.status;                                                        \
     const int64_t lines = (int64_t)num_seqs * num_q_heads;                                    \
-    run_tasks(num_threads, merge_task_##SUFFIX, &job, (lines + MERGE_LINES - 1) / MERGE_LINES);\
+    pa_run_tasks(num_threads, merge_task_##SUFFIX, &job, (lines + MERGE_LINES - 1) / MERGE_LINES);\
     return 0;                                                                                 \
 }
 
+
 #define MERGE_LINES 64
-#define DECODE_FIXED(...) DECODE_FIXED_CALL(f32, __VA_ARGS__)
-DEFINE_DECODE(f32, float)
-#undef DECODE_FIXED
-#define DECODE_FIXED(...) DECODE_FIXED_CALL(bf16, __VA_ARGS__)
-DEFINE_DECODE(bf16, bf16_t)
-#undef DECODE_FIXED
+
+/* One cache format's entry point paged_decode_<SUFFIX>: the portable task, the vector tasks
+ * (where the ISA has them) and the driver. */
+#define DEFINE_FORMAT(SUFFIX, T, LOAD, FMT_)                                                    \
+    DEFINE_TASK(SUFFIX, T, LOAD)                                                               \
+    DEFINE_DECODE_FIXED(SUFFIX, FMT_)                                                          \
+    DEFINE_DECODE(SUFFIX, T)
+
+#endif
