@@ -1,4 +1,5 @@
-"""Decode attention on CPU through the native kernel (kernels/native/paged_attention.c).
+"""Decode attention on CPU through the native kernel (kernels/native: paged_attention.h, and
+decode_<format>.c for each cache format).
 
 Same contract and numbers as paged_decode_attention_ref (fp32 softmax and accumulation), but
 each sequence's pages are read once, straight from the block table, instead of being gathered
@@ -24,7 +25,7 @@ from .paged_decode_attention import _check_decode
 
 PART_TOKENS = 512
 # Threads of the kernel's task pool; 0: torch's current thread count. A CPU worker sets it to its
-# cores (set_threads), which may exceed its torch threads: see kernels/native/paged_attention.c.
+# cores (set_threads), which may exceed its torch threads: see kernels/native/task_pool.c.
 _threads = int(os.environ.get("PAGEDSERVE_ATTENTION_THREADS", "0") or 0)
 
 
