@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.kv_format import check_storage
 from workers.distributed import TPGroup
 from workers.kv_cache import allocate_kv_cache
 from workers.loader import ModelConfig, iter_weights
@@ -57,6 +58,7 @@ class ModelRunner:
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
+        check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
         self.block_size, self.num_blocks = block_size, num_blocks
         self.tp = TPGroup(tp_rank, tp_size)
         self.model = model_class(config.architecture)(config, self.tp, dtype, self.device)

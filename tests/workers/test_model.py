@@ -222,3 +222,10 @@ def test_narrow_kv_cache_computes_what_its_values_hold(tiny_dir, monkeypatch, ca
     wide = make_runner(tiny_dir)
     for items, got in zip(steps, narrow_logits):
         torch.testing.assert_close(got, all_row_logits(wide, items)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_wider_than_the_model_is_refused_at_start(tiny_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype: a torch.float32 cache cannot serve "
+                                         "torch.bfloat16 queries"):
+        ModelRunner(load_config(tiny_dir), tiny_dir, torch.bfloat16, "cpu", BLOCK_SIZE, 4,
+                    kv_cache_dtype=torch.float32)
