@@ -1,5 +1,5 @@
-"""Prepacked bf16 linears give the same numbers as F.linear, and only bf16 CPU weights pack;
-the runner picks its torch threads by step size."""
+"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 to its rounding; the runner
+picks its torch threads by step size."""
 from __future__ import annotations
 
 import pytest
@@ -34,11 +34,20 @@ def test_packed_matmul_equals_f_linear_for_any_batch(rows):
     assert torch.equal(layer.matmul(x), expected)
 
 
-def test_fp32_weights_stay_unpacked():
-    layer = _linear(16, 8, torch.float32)
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_fp32_weights_pack_and_keep_f_linear_to_rounding(rows):
+    # oneDNN sums in another order than MKL's sgemm: equal up to fp32 rounding, not bit for bit
+    torch.manual_seed(rows)
+    layer = _linear(96, 576, torch.float32)
+    x = torch.randn(rows, 576)
+    expected = F.linear(x, layer.weight)
+    assert layer.prepack() and layer.packed is not None
+    torch.testing.assert_close(layer.matmul(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fp16_weights_stay_unpacked():
+    layer = _linear(16, 8, torch.float16)
     assert not layer.prepack() and layer.packed is None
-    x = torch.randn(3, 8)
-    assert torch.equal(layer.matmul(x), F.linear(x, layer.weight))
 
 
 def test_bf16_weights_stay_unpacked_where_onednn_cannot_pack_them(monkeypatch):

@@ -69,16 +69,20 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class PackableLinear(nn.Module):
-    """A linear layer (`self.weight` [out, in], no bias) whose CPU bf16 weight can be prepacked.
+    """A linear layer (`self.weight` [out, in], no bias) whose CPU weight can be prepacked.
 
-    oneDNN's bf16 matmul reorders a plain weight into its blocked layout on every call; at
-    decode batch sizes that reorder (and the fresh buffer it writes) costs as much as the
-    product itself. `prepack()` reorders once after loading; later calls run on the packed copy
-    (measured, 1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us, [64 x 1536] @ [1536 x 576]
-    237 -> 163 us; same results bit for bit). fp32 stays on F.linear: oneDNN's fp32 kernels
-    sum in another order (~1e-4 apart), which the fp32 reference-equality tests would see.
-    CPUs whose oneDNN has no bf16 inner product (AVX2 without AVX-512/AVX-NE-CONVERT) keep the
-    plain weight: `bf16_prepack_supported()` probes that once.
+    oneDNN's matmul reorders a plain weight into its blocked layout on every call; at decode
+    batch sizes that reorder (and the fresh buffer it writes) costs as much as the product
+    itself. `prepack()` reorders once after loading; later calls run on the packed copy.
+    - bf16 (measured, 1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us, [64 x 1536] @
+      [1536 x 576] 237 -> 163 us; same results bit for bit). CPUs whose oneDNN has no bf16 inner
+      product (AVX2 without AVX-512/AVX-NE-CONVERT) keep the plain weight:
+      `bf16_prepack_supported()` probes that once.
+    - fp32: F.linear runs MKL's sgemm; the packed oneDNN product is faster at decode sizes,
+      most with 2 threads (AVX2 EPYC, one forward's matmuls without the LM head: M=16 75.5 ->
+      45.1 ms, M=64 218 -> 151 ms, M=256 653 -> 542 ms; 1 thread: 328 -> 285 ms at M=64). It sums
+      in another order (~1e-4 relative); the fp32 greedy-equality tests against transformers
+      pass with it. PAGEDSERVE_PREPACK=0 turns every prepack off.
     """
 
     packed: torch.Tensor | None = None
@@ -86,8 +90,10 @@ class PackableLinear(nn.Module):
     def prepack(self) -> bool:
         """Pack the weight for oneDNN if it is a CPU bf16 weight; whether it did."""
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
-                or not bf16_prepack_supported():
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        if weight.dtype != torch.float32 and (weight.dtype != torch.bfloat16
+                                              or not bf16_prepack_supported()):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return True
