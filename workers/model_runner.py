@@ -41,11 +41,9 @@ class StepTensors:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are returned, in item order
 
 
-LARGE_STEP_TOKENS = 256
 
 
 class ModelRunner:
-    _threads: tuple[int, int] | None = None
     # The scheduler's block tables (int32 [rows, width], read-only shared memory) when the
     # worker attached them: items with a table_row read their blocks there.
     shared_tables: np.ndarray | None = None
@@ -76,26 +74,12 @@ class ModelRunner:
                  block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    def set_cpu_threads(self, small_step: int, large_step: int) -> None:
-        """torch threads for steps under / from LARGE_STEP_TOKENS tokens (CPU workers).
-
-        Decode-sized steps are many small ops, each split statically between the threads and
-        waiting for the slowest: on a box whose cores the engine's other processes share, one
-        fewer thread than cores is faster. Prefill-sized steps are a few large matmuls that
-        gain from every core (1 vs 2 threads: ~1,200 vs ~2,000 prefill tok/s on the 2-core box).
-        """
-        self._threads = (small_step, large_step)
-
     @torch.inference_mode()
     def execute(self, items: list[SeqStep]) -> torch.Tensor:
         """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
         if not items:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         step = self.prepare(items)
-        if self._threads is not None:
-            wanted = self._threads[step.input_ids.numel() >= LARGE_STEP_TOKENS]
-            if torch.get_num_threads() != wanted:
-                torch.set_num_threads(wanted)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         if step.sample_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)

@@ -65,7 +65,7 @@ def build_core(cfg: EngineConfig, rank: int):
     adapt_threads = device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ
     if adapt_threads:  # else $OMP_NUM_THREADS sets torch's threads and the kernel follows them
         torch.set_num_threads(cfg.parallel.threads_per_rank())
-        native_decode_attention.set_threads(cfg.parallel.attention_threads_per_rank())
+        native_decode_attention.set_threads(cfg.parallel.threads_per_rank())
     dtype = resolve_dtype(cfg.model.dtype, device)
     cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     model_config = load_model_config(cfg.model.model)
@@ -89,9 +89,6 @@ def build_core(cfg: EngineConfig, rank: int):
         torch.cuda.empty_cache()
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
                          runner_blocks, rank, tp, cache_dtype)
-    if adapt_threads:
-        runner.set_cpu_threads(cfg.parallel.threads_per_rank(),
-                               cfg.parallel.attention_threads_per_rank())
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"

@@ -94,7 +94,8 @@ static void pool_run(int num_threads, task_fn fn, void *ctx, int64_t ntasks) {
  * (dynamically scheduled): its threads are awake and spinning right after torch's previous op,
  * and a second pool would fight them for the cores (measured, 2 torch threads, batch 256 x 512:
  * 365 ms per 30 layers with linears in between on the OpenMP team vs ~490 ms on the pool). The
- * worker runs decode steps with fewer torch threads than attention threads, i.e. on the pool. */
+ * worker gives torch and this kernel the same threads (--cpu-threads), so it runs on the team;
+ * the pool serves callers that ask for more threads than torch has. */
 void pa_run_tasks(int num_threads, task_fn fn, void *ctx, int64_t ntasks) {
     if (num_threads <= 1 || ntasks <= 1) {
         for (int64_t t = 0; t < ntasks; t++) fn(ctx, t);

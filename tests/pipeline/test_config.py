@@ -10,24 +10,23 @@ def _cfg(*argv):
     return config_from_args(build_arg_parser().parse_args(list(argv)))
 
 
-def test_cpu_threads_default_leaves_a_core_for_the_other_processes(monkeypatch):
+def test_cpu_threads_default_splits_the_cores_between_the_ranks(monkeypatch):
     def threads(*argv):
-        parallel = _cfg(*argv).parallel
-        return parallel.threads_per_rank(), parallel.attention_threads_per_rank()
+        return _cfg(*argv).parallel.threads_per_rank()
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert threads() == (7, 8)
-    assert threads("--tensor-parallel-size", "2") == (3, 4)
+    assert threads() == 8
+    assert threads("--tensor-parallel-size", "2") == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert threads() == (1, 2)
-    assert threads("-tp", "2") == (1, 1)
+    assert threads() == 2
+    assert threads("-tp", "2") == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert threads() == (1, 1)
+    assert threads() == 1
 
 
 def test_cpu_threads_flag_wins_and_is_checked():
     parallel = _cfg("--cpu-threads", "2").parallel
-    assert parallel.threads_per_rank() == 2 and parallel.attention_threads_per_rank() == 2
+    assert parallel.threads_per_rank() == 2
     with pytest.raises(ValueError, match="--cpu-threads must be >= 1, got 0"):
         _cfg("--cpu-threads", "0")
     with pytest.raises(ValueError, match="--cpu-threads"):

@@ -1,5 +1,4 @@
-"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 to its rounding; the runner
-picks its torch threads by step size."""
+"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 to its rounding."""
 from __future__ import annotations
 
 import pytest
@@ -74,34 +73,3 @@ def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatc
     assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
     assert prepack_linears(unpacked.model) == 2 * 4      # qkv, o, gate_up, down per layer
     assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())
-
-
-def test_runner_picks_threads_by_step_size(tmp_path):
-    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=1)
-    runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", 16, 40)
-    before = torch.get_num_threads()
-    try:
-        runner.set_cpu_threads(1, 2)
-        runner.execute([SeqStep([5, 9], 0, [2], True)])
-        assert torch.get_num_threads() == 1
-        runner.execute([SeqStep(list(range(300)), 0, list(range(19)), True)])
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("packs, flags, expected", [
-    (True, {"avx512f", "avx512_bf16"}, torch.bfloat16),
-    (True, {"amx_bf16"}, torch.bfloat16),
-    (True, {"avx512f", "avx512bw"}, torch.float32),   # oneDNN packs bf16 but emulates the math
-    (False, {"avx2"}, torch.float32),
-])
-def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_math(monkeypatch, packs, flags, expected):
-    from kernels import native
-    from workers import worker_process
-    monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: packs)
-    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
-    cpu = torch.device("cpu")
-    assert worker_process.resolve_dtype("auto", cpu) is expected
-    assert worker_process.resolve_dtype("float16", cpu) is torch.float16
-    assert worker_process.resolve_dtype("bfloat16", cpu) is torch.bfloat16
