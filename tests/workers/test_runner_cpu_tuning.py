@@ -71,5 +71,5 @@ def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatc
     assert all(m.packed is None for m in unpacked.model.modules()
                if isinstance(m, PackableLinear))
     assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
-    assert prepack_linears(unpacked.model) == 2 * 4      # qkv, o, gate_up, down per layer
+    assert prepack_linears(unpacked.model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
     assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())

@@ -16,8 +16,9 @@ from torch import nn
 from workers.distributed import TPGroup
 from workers.loader import ModelConfig
 from workers.models.attention import AttentionMetadata, paged_attention
-from workers.models.layers import (MergedColumnParallelLinear, QKVParallelLinear, RMSNorm,
-                                   RotaryEmbedding, RowParallelLinear, even_split, partition_heads)
+from workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
+                                   RMSNorm, RotaryEmbedding, RowParallelLinear, even_split,
+                                   partition_heads)
 
 
 class LlamaAttention(nn.Module):
@@ -95,6 +96,10 @@ class LlamaForCausalLM(nn.Module):
                                       config.rope_theta, config.rope_scaling, dtype, device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
+        # The same weight as a PackableLinear, so prepack_linears packs the LM head too (fp32,
+        # 2 threads, [64 x 576] @ [576 x 49152]: torch.mm 75 ms, packed 29 ms; at 16 rows 28 -> 11).
+        self.lm_head_linear = PackableLinear()
+        self.lm_head_linear.weight = self.lm_head
 
     @property
     def num_kv_heads(self) -> int:
@@ -119,6 +124,12 @@ class LlamaForCausalLM(nn.Module):
         box: 47 ms for the fp32 conversion alone, 2.7 ms into a reused buffer).
         """
         rows, vocab = hidden.shape[0], self.lm_head.shape[0]
+        if self.lm_head_linear.packed is not None:  # fresh output: still faster than the mm below
+            logits = self.lm_head_linear.matmul(hidden)
+            if logits.dtype == torch.float32:
+                return logits
+            out = self._logits_buffer("fp32", rows * vocab, torch.float32, hidden.device)
+            return out.view(rows, vocab).copy_(logits)
         raw = self._logits_buffer("raw", rows * vocab, hidden.dtype, hidden.device)
         torch.mm(hidden, self.lm_head.t(), out=raw.view(rows, vocab))
         if raw.dtype == torch.float32:
