@@ -88,7 +88,7 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
 
     def prepack(self) -> bool:
-        """Pack the weight for oneDNN if it is a CPU bf16 weight; whether it did."""
+        """Pack the weight for oneDNN if it is a CPU fp32 or (packable) bf16 weight; whether it did."""
         weight = self.weight
         if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
