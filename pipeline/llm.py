@@ -91,6 +91,8 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--max-model-len", str(m.max_model_len)]
     if c.kv_cache_memory:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
+    if p.cpu_threads:
+        argv += ["--cpu-threads", str(p.cpu_threads)]
     argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
     return argv

@@ -41,3 +41,30 @@ def test_kv_cache_dtype_flag():
     from pipeline.config import EngineConfig
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, .*got 'q8'"):
         EngineConfig.from_kwargs(kv_cache_dtype="q8")
+
+
+def test_offline_api_forwards_every_engine_argument_to_the_group():
+    # LLM(...) starts the group with a command line: no engine argument may be dropped on the way
+    from dataclasses import asdict
+
+    from pipeline.config import EngineConfig
+    from pipeline.llm import _config_to_argv
+    given = dict(served_model_name="m", dtype="float32", max_model_len=999, seed=7,
+                 block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,
+                 swap_space=0.25, enable_prefix_caching=False, kv_cache_dtype="fp8",
+                 tensor_parallel_size=2, device="cpu", cpu_threads=3, max_num_seqs=17,
+                 max_num_batched_tokens=333, max_queued_requests=44,
+                 enable_chunked_prefill=False, preemption_mode="swap",
+                 scheduling_policy="priority", step_timeout=9.0, max_restarts=5,
+                 restart_window=7.0, heartbeat_timeout=3.0)
+    config = EngineConfig.from_kwargs(model="/some/dir", **given)
+    for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
+        defaults = asdict(getattr(EngineConfig(), section))
+        assert all(asdict(getattr(config, section))[k] != v for k, v in defaults.items()
+                   if k != "model"), f"{section}: the test leaves a field at its default"
+    config.ipc.ipc_dir = "/tmp/x"
+    argv = _config_to_argv(config, "/some/dir")
+    argv.remove("--die-with-parent")   # the launcher's own flag (pipeline/launch.py)
+    back = _cfg(*argv)
+    for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
+        assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
