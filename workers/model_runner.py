@@ -41,8 +41,6 @@ class StepTensors:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are returned, in item order
 
 
-
-
 class ModelRunner:
     # The scheduler's block tables (int32 [rows, width], read-only shared memory) when the
     # worker attached them: items with a table_row read their blocks there.
