@@ -31,8 +31,11 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
-# Triton's view of a cache: 0 = a float dtype Triton loads itself, 1 = e4m3fn bytes, 2 = e5m2 bytes.
-FORMAT_FLOAT, FORMAT_E4M3, FORMAT_E5M2 = 0, 1, 2
+# Triton's view of a cache: a float dtype Triton loads itself, e4m3fn bytes or e5m2 bytes
+# (constexpr globals, so load_kv can branch on them).
+FORMAT_FLOAT = tl.constexpr(0)
+FORMAT_E4M3 = tl.constexpr(1)
+FORMAT_E5M2 = tl.constexpr(2)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -74,20 +77,18 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def triton_format(dtype: torch.dtype) -> int:
-    if dtype == torch.float8_e4m3fn:
-        return FORMAT_E4M3
-    if dtype == torch.float8_e5m2:
-        return FORMAT_E5M2
-    return FORMAT_FLOAT
+    """The KV_FORMAT a Triton kernel takes for a cache of `dtype`."""
+    fmt = {torch.float8_e4m3fn: FORMAT_E4M3, torch.float8_e5m2: FORMAT_E5M2}.get(dtype, FORMAT_FLOAT)
+    return fmt.value
 
 
 @triton.jit
 def load_kv(ptrs, mask, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
     """A cache tile widened to DTYPE; fp8 caches come as bytes (see the module docstring)."""
-    if FORMAT == 0:
+    if FORMAT == FORMAT_FLOAT:
         return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
     bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint16)
-    if FORMAT == 1:
+    if FORMAT == FORMAT_E4M3:
         bits = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
         return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
     bits = bits << 8
