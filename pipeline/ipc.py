@@ -48,6 +48,18 @@ def send(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes | None = None, f
     sock.send_multipart(frames, flags=flags, copy=False)
 
 
+def send_to_peer(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes) -> bool:
+    """Send on a ROUTER to `identity`; False, nothing sent, when that peer is gone (a client
+    that disconnected before its reply: there is no one left to tell)."""
+    try:
+        send(sock, msg, identity=identity)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        return False
+    return True
+
+
 def recv(sock: zmq.Socket, flags: int = 0) -> Any:
     return decode(sock.recv_multipart(flags=flags))
 

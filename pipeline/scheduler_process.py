@@ -154,7 +154,7 @@ class SchedulerProcess:
                                           block_tables=self.block_tables)
         self.service = SchedulerService(
             scheduler, instance=self.instance,
-            send_to_client=lambda cid, msg: ipc.send(self.frontend, msg, identity=cid),
+            send_to_client=lambda cid, msg: ipc.send_to_peer(self.frontend, msg, cid),
             send_to_detok=lambda msg: ipc.send(self.detok, msg))
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
