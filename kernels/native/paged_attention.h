@@ -307,6 +307,37 @@ static inline __attribute__((always_inline)) int decode_fixed(
     const float unit = fmt == FMT_E4M3 ? 256.0f : 1.0f;
     const vec vscale = v_set1(scale * unit);
     /* pass 1: scores[qh * n + j] */
+#if VW == 8
+    /* AVX2: the query rows do not fit in registers either; walk each K row once with all its
+     * kv heads (one sequential stream per block), and scale the scores instead of the query. */
+    const float qk_scale = scale * unit;
+    for (int64_t t = k0; t < k1;) {
+        const int64_t blk = table[t / block_size];
+        if (blk < 0 || blk >= num_blocks) return -6;
+        const int64_t off = t % block_size;
+        int64_t count = block_size - off;
+        if (count > k1 - t) count = k1 - t;
+        const int64_t row0 = blk * stride_blk + off * stride_tok;
+        const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
+                                       num_blocks, stride_blk, fmt);
+        for (int64_t j = 0; j < count; j++) {
+            prefetch_row(next, j, row_bytes);
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t at = row0 + j * stride_tok + h * stride_head;
+                vec k[NV];
+                for (int c = 0; c < NV; c++) k[c] = v_load(k_cache, at + VW * c, fmt);
+                for (int g = 0; g < G; g++) {
+                    const float *qrow = q + (int64_t)(h * G + g) * D;
+                    vec a = v_mul(v_loadf(qrow), k[0]);
+                    for (int c = 1; c < NV; c++) a = v_fmadd(v_loadf(qrow + VW * c), k[c], a);
+                    scores[(int64_t)(h * G + g) * n + (t - k0) + j] = v_sum(a) * qk_scale;
+                }
+            }
+        }
+        t += count;
+    }
+    (void)vscale;
+#else
     for (int64_t t = k0; t < k1;) {
         const int64_t blk = table[t / block_size];
         if (blk < 0 || blk >= num_blocks) return -6;
@@ -336,6 +367,7 @@ static inline __attribute__((always_inline)) int decode_fixed(
         }
         t += count;
     }
+#endif
     /* softmax numerators per query head: whole vectors, then a scalar tail */
     const int64_t whole = n - n % VW;
     for (int qh = 0; qh < num_q_heads; qh++) {
@@ -357,6 +389,39 @@ static inline __attribute__((always_inline)) int decode_fixed(
         part_l[qh] = l;
     }
     /* pass 2: part_acc[qh] = sum_j p[qh, j] * V[j] */
+#if VW == 8
+    /* AVX2 has 16 vector registers, too few for G * NV accumulators (SmolLM2: 3 * 8), which
+     * would spill anyway; so they live in part_acc (L1) and V is walked once, row by row with
+     * all its kv heads, instead of once per kv head (a partition's V rows outgrow L2). */
+    memset(part_acc, 0, sizeof(float) * num_q_heads * D);
+    for (int64_t t = k0; t < k1;) {
+        const int64_t blk = table[t / block_size];
+        const int64_t off = t % block_size;
+        int64_t count = block_size - off;
+        if (count > k1 - t) count = k1 - t;
+        const int64_t row0 = blk * stride_blk + off * stride_tok;
+        const char *next = block_start(v_cache, table, t / block_size + 1, (k1 - 1) / block_size,
+                                       num_blocks, stride_blk, fmt);
+        for (int64_t j = 0; j < count; j++) {
+            prefetch_row(next, j, row_bytes);
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t at = row0 + j * stride_tok + h * stride_head;
+                vec v[NV];
+                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, fmt);
+                for (int g = 0; g < G; g++) {
+                    const vec p = v_set1(scores[(int64_t)(h * G + g) * n + (t - k0) + j]);
+                    float *acc = part_acc + (int64_t)(h * G + g) * D;
+                    for (int c = 0; c < NV; c++)
+                        v_storef(acc + VW * c, v_fmadd(p, v[c], v_loadf(acc + VW * c)));
+                }
+            }
+        }
+        t += count;
+    }
+    if (unit != 1.0f)
+        for (int64_t i = 0; i < (int64_t)num_q_heads * D; i += VW)
+            v_storef(part_acc + i, v_mul(v_loadf(part_acc + i), v_set1(unit)));
+#else
     for (int h = 0; h < num_kv_heads; h++) {
         vec acc[G][NV];
         for (int g = 0; g < G; g++)
@@ -388,6 +453,7 @@ static inline __attribute__((always_inline)) int decode_fixed(
                 v_storef(part_acc + (int64_t)(h * G + g) * D + VW * c,
                          unit == 1.0f ? acc[g][c] : v_mul(acc[g][c], v_set1(unit)));
     }
+#endif
     return 0;
 }
 
