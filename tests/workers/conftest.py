@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.loader import DEFAULT_MODEL, fetch_default_gguf, resolve_model
+from workers.gguf_files import fetch_default_gguf
+from workers.loader import DEFAULT_MODEL, resolve_model
 from workers.testing import make_tiny_llama
 
 

