@@ -3,14 +3,12 @@ with prefix caching, copy-on-write, fork and swapping to a host pool."""
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
-from hashlib import sha256
 from typing import Iterable, Sequence
 
+from kvmanager import prefix_cache
 from kvmanager.block_pool import BlockPool, NoFreeBlocksError
-from kvmanager.hashing import (BlockHash, hash_block_tokens, hash_full_blocks, salt_key,
-                               token_packer)
+from kvmanager.hashing import BlockHash
 from kvmanager.shm_tables import SharedBlockTables
 from kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
 
@@ -122,60 +120,17 @@ class KVCacheManager:
             usage=self.usage, prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits)
 
-    # ---- prefix cache ----------------------------------------------------------------------
-
-    def _cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None):
-        """Hashes and blocks of the longest cached run of leading full blocks, leaving at least
-        the last prompt token to compute (its logits are needed)."""
-        hashes: list[BlockHash] = []
-        blocks = []
-        if not self.enable_prefix_caching or not token_ids:
-            return hashes, blocks
-        bs = self.block_size
-        cached = self.gpu_pool.cached_blocks
-        parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], cache_salt)
-            block = cached.get(parent)
-            if block is None:
-                break
-            hashes.append(parent)
-            blocks.append(block)
-        return hashes, blocks
+    # ---- prefix cache (kvmanager/prefix_cache.py) ------------------------------------------
 
     def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens already cached: whole blocks, always < len(token_ids). No side effect."""
-        return len(self._cached_prefix(token_ids, cache_salt)[1]) * self.block_size
+        return len(prefix_cache.cached_prefix(self, token_ids, cache_salt)[1]) * self.block_size
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Full blocks among the first ``num_computed_tokens`` become findable by their hash."""
         if self.enable_prefix_caching:
-            self._cache(seq_id, self._seq(seq_id), token_ids, num_computed_tokens)
-
-    def _cache(self, seq_id: int, seq: _SeqBlocks, token_ids: Sequence[int],
-               num_computed_tokens: int) -> None:
-        if seq.swapped:
-            raise ValueError(f"seq {seq_id} is swapped out; cache its blocks before swapping")
-        if num_computed_tokens > seq.num_tokens:
-            raise ValueError(f"seq {seq_id}: num_computed_tokens {num_computed_tokens} exceeds "
-                             f"its {seq.num_tokens} reserved slots")
-        if num_computed_tokens > len(token_ids):
-            raise ValueError(f"seq {seq_id}: num_computed_tokens {num_computed_tokens} exceeds "
-                             f"the {len(token_ids)} token ids given")
-        bs = self.block_size
-        hashes = seq.block_hashes
-        start = len(hashes)
-        num_full = num_computed_tokens // bs
-        if num_full <= start:
-            return
-        new_hashes = hash_full_blocks(token_ids, bs, seq.cache_salt, start=start,
-                                      parent_hash=hashes[-1] if start else None,
-                                      max_blocks=num_full - start)
-        pool = self.gpu_pool
-        cache_block, blocks, block_ids = pool.cache_block, pool.blocks, seq.block_ids
-        for i, block_hash in enumerate(new_hashes, start):
-            cache_block(blocks[block_ids[i]], block_hash)
-            hashes.append(block_hash)
+            prefix_cache.cache_full_blocks(self, seq_id, self._seq(seq_id), token_ids,
+                                           num_computed_tokens)
 
     def commit_blocks(self, items: Iterable[tuple[int, Sequence[int], int, int]]) -> None:
         """``append_slots`` + ``cache_blocks`` for many sequences after a step (the scheduler's
@@ -183,49 +138,7 @@ class KVCacheManager:
         order: the sequence now holds ``num_tokens`` slots, grown inside its own blocks (slots
         it reserved lazily; RuntimeError if that would take a block or a copy), and the full
         blocks among its first ``num_computed_tokens`` become findable."""
-        seqs, bs, caching = self._seqs, self.block_size, self.enable_prefix_caching
-        pool = self.gpu_pool
-        blocks, cache_block = pool.blocks, pool.cache_block
-        pack = token_packer(bs).pack
-        for seq_id, token_ids, num_tokens, num_computed in items:
-            seq = seqs.get(seq_id)
-            if seq is None or seq.swapped:
-                self._reject_append(seq_id, seq, 0)
-            n = seq.num_tokens
-            if num_tokens != n:
-                block_ids = seq.block_ids
-                if (num_tokens < n or num_tokens > len(block_ids) * bs
-                        or n % bs and blocks[block_ids[-1]].ref_cnt > 1):
-                    self._reject_commit(seq_id, n, num_tokens)
-                seq.num_tokens = num_tokens
-            if not caching:
-                continue
-            hashes = seq.block_hashes
-            start = len(hashes)
-            if (num_computed // bs != start + 1 or num_computed > num_tokens
-                    or num_computed > len(token_ids)):
-                self._cache(seq_id, seq, token_ids, num_computed)  # not one new block, or wrong
-                continue
-            # One block filled up (a decode crossing a block boundary): hash it right here, as
-            # hashing.hash_block_tokens does.
-            i = start * bs
-            try:
-                packed = pack(*token_ids[i:i + bs])
-            except struct.error:
-                self._cache(seq_id, seq, token_ids, num_computed)  # raises the ValueError
-                raise
-            block_hash = sha256((hashes[-1] if start else b"") + salt_key(seq.cache_salt)
-                                + packed).digest()
-            cache_block(blocks[seq.block_ids[start]], block_hash)
-            hashes.append(block_hash)
-
-    @staticmethod
-    def _reject_commit(seq_id: int, n: int, num_tokens: int):
-        if num_tokens < n:
-            raise ValueError(f"seq {seq_id} already holds {n} slots, cannot shrink to "
-                             f"{num_tokens}")
-        raise RuntimeError(f"seq {seq_id}: growing from {n} to {num_tokens} slots needs a block "
-                           f"or a copy; the slot bookkeeping is wrong")
+        prefix_cache.commit_blocks(self, items)
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -248,7 +161,7 @@ class KVCacheManager:
             raise ValueError(f"seq {seq_id} is already allocated")
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hashes, cached = self._cached_prefix(token_ids, cache_salt)
+        hashes, cached = prefix_cache.cached_prefix(self, token_ids, cache_salt)
         num_cached_tokens = len(cached) * self.block_size
         num_fresh = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
         num_revived = sum(1 for block in cached if block.ref_cnt == 0)
