@@ -98,64 +98,25 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
     """One token for every decoding sequence, in running order; fills `new_running` (the
     running list from this step on) and records the planned ones in `b`.
 
-    Lanes go to the decode columns. A decode whose slot needs a new block takes it from
-    `reserve_slots` here (a shared last block or a short pool fails that) and is a lane too,
-    its block in the plan's decode_new_blocks, unless the token it samples may end it by
-    length; anything else (no budget, a recompute catching up, a resend, a copy-on-write,
-    preemptions) goes to `sched._schedule_one_running`, at the same point in the order.
+    Lanes go to the decode columns right here; every other sequence goes through
+    `_schedule_off_lane`, at the same point in the order, and may turn out a lane after all.
     """
-    reserve = sched.kv.reserve_slots
-    general = sched._schedule_one_running
-    add, add_seq, keep = b.scheduled.append, b.seqs.append, new_running.append
+    keep = new_running.append
     lanes = b.lanes
     add_lane, add_lane_token = lanes.append, b.lane_tokens.append
     add_fill = b.lane_fills.append
-    bs, step_id, running = sched.block_size, b.step_id, RUNNING
+    bs, step_id = sched.block_size, b.step_id
     caching = sched.config.enable_prefix_caching
     budget = b.budget
     for seq in sched.running:
         tokens = seq.token_ids
         n = len(tokens)
         if n > seq.lane_cap or budget <= 0:  # not a lane (a finished or preempted one's is -1)
-            if seq.status is not running:
-                continue  # finished or preempted since
-            if (seq.num_computed_tokens + 1 != n or seq.num_reserved_tokens >= n
-                    or seq.needs_full_send or budget <= 0):
-                b.budget = budget
-                general(seq, b, keep)
-                budget = b.budget
+            b.budget = budget
+            is_lane = _schedule_off_lane(sched, seq, b, keep)
+            budget = b.budget
+            if not is_lane:
                 continue
-            if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
-                new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
-            else:
-                new_blocks = reserve(seq.seq_id, n)
-                if new_blocks is None:  # its last block is shared, or the pool is short
-                    b.budget = budget
-                    general(seq, b, keep)
-                    budget = b.budget
-                    continue
-                seq.num_kv_tokens = n
-                seq.shared_tail = False
-                seq.num_blocks_sent += len(new_blocks)
-            seq.num_reserved_tokens = n
-            sent = seq.num_tokens_sent
-            seq.num_tokens_sent = n
-            if not (new_blocks and sent + 1 == n
-                    and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
-                add(ScheduledSeq(seq.seq_id, 1, new_blocks,
-                                 [tokens[sent]] if sent + 1 == n else tokens[sent:]))
-                add_seq(seq)
-                seq.step_tokens = 1
-                seq.last_step = step_id
-                seq.lane_cap = lane_cap(seq, bs)
-                budget -= 1
-                keep(seq)
-                continue
-            # A lane that opens a new block (the common boundary case): on with the lanes.
-            index = len(lanes)
-            for block in new_blocks:
-                b.lane_blocks.append((index, block))
-            seq.lane_cap = lane_cap(seq, bs)
         add_lane(seq)
         add_lane_token(tokens[-1])
         # A lane's token counts as computed from the moment it is planned (nothing reads the
@@ -168,6 +129,63 @@ def schedule_running(sched: Scheduler, b: PlanBuilder, new_running: list[Sequenc
         keep(seq)
     b.budget = budget
     b.lane_ids = list(map(_SEQ_ID, lanes))
+
+
+def _schedule_off_lane(sched: Scheduler, seq: Sequence, b: PlanBuilder, keep) -> bool:
+    """A running sequence past its lane_cap (or with no budget left): skipped if it finished or
+    was preempted meanwhile, else planned here or by the general path. True when it is a lane
+    after all, for the caller to add to the decode columns.
+
+    A decode whose slot needs a new block takes it from `reserve_slots` here (a shared last
+    block or a short pool fails that) and is a lane too, its block in the plan's
+    decode_new_blocks, unless the token it samples may end it by length; anything else (no
+    budget, a recompute catching up, a resend, a copy-on-write, preemptions) goes to
+    `sched._schedule_one_running`.
+    """
+    if seq.status is not RUNNING:
+        return False  # finished or preempted since
+    n = len(seq.token_ids)
+    if (seq.num_computed_tokens + 1 != n or seq.num_reserved_tokens >= n
+            or seq.needs_full_send or b.budget <= 0):
+        sched._schedule_one_running(seq, b, keep)
+        return False
+    bs = sched.block_size
+    if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
+        new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+    else:
+        new_blocks = sched.kv.reserve_slots(seq.seq_id, n)
+        if new_blocks is None:  # its last block is shared, or the pool is short
+            sched._schedule_one_running(seq, b, keep)
+            return False
+        seq.num_kv_tokens = n
+        seq.shared_tail = False
+        seq.num_blocks_sent += len(new_blocks)
+    seq.num_reserved_tokens = n
+    if not (new_blocks and seq.num_tokens_sent + 1 == n
+            and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
+        _schedule_decode(seq, new_blocks, b, bs)
+        keep(seq)
+        return False
+    # A lane that opens a new block (the common boundary case): on with the lanes.
+    seq.num_tokens_sent = n
+    index = len(b.lanes)
+    for block in new_blocks:
+        b.lane_blocks.append((index, block))
+    seq.lane_cap = lane_cap(seq, bs)
+    return True
+
+
+def _schedule_decode(seq: Sequence, new_blocks: list[int], b: PlanBuilder, bs: int) -> None:
+    """A one-token decode that is not a lane: a ScheduledSeq with its unsent tokens."""
+    tokens, n, sent = seq.token_ids, len(seq.token_ids), seq.num_tokens_sent
+    seq.num_tokens_sent = n
+    b.scheduled.append(ScheduledSeq(seq.seq_id, 1, new_blocks,
+                                    [tokens[sent]] if sent + 1 == n else tokens[sent:]))
+    b.seqs.append(seq)
+    seq.step_tokens = 1
+    seq.last_step = b.step_id
+    seq.lane_cap = lane_cap(seq, bs)
+    b.budget -= 1
 
 
 def apply_result(sched: Scheduler, b: PlanBuilder, result: StepResult) -> StepOutputs:

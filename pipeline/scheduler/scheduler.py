@@ -15,12 +15,14 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pipeline.messages import Fork, NewSeq, ScheduledSeq, SharedTables, StepPlan, StepResult
-from pipeline.scheduler.decode import PlanBuilder, apply_result, lane_cap, schedule_running
+from pipeline.messages import SharedTables, StepPlan, StepResult
+from pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
 from pipeline.scheduler.admission import RequestRejected, admit_request
 from pipeline.scheduler.config import SchedulerConfig
+from pipeline.scheduler.emit import emit
 from pipeline.scheduler.policy import make_policy
-from pipeline.scheduler.preemption import SWAP, PreemptionChooser
+from pipeline.scheduler.preemption import (PreemptionChooser, preempt_for_waiting,
+                                           reserve_or_preempt)
 from pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
                                Sequence, SequenceOutput, SequenceStatus, StepOutputs)
 
@@ -152,7 +154,7 @@ class Scheduler:
         b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
         if self.policy.preempts_for_waiting and self.waiting and self.num_running:
-            self._preempt_for_waiting(b)
+            preempt_for_waiting(self, b)
         new_running = self._spare_running  # empty
         new_prefilling: list[Sequence] = []
         schedule_running(self, b, new_running)
@@ -176,8 +178,8 @@ class Scheduler:
     def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
         """The general path for a running sequence: may preempt, resend or compute several."""
         num_new = min(len(seq.token_ids) - seq.num_computed_tokens, b.budget)
-        if num_new > 0 and self._reserve(seq, num_new, b):
-            self._emit(seq, num_new, b)
+        if num_new > 0 and reserve_or_preempt(self, seq, num_new, b):
+            emit(self, seq, num_new, b)
         if seq.status is RUNNING:
             keep(seq)
 
@@ -189,8 +191,8 @@ class Scheduler:
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
             if chunk and (chunk == remaining or self.config.enable_chunked_prefill) \
-                    and self._reserve(seq, chunk, b):
-                self._emit(seq, chunk, b)
+                    and reserve_or_preempt(self, seq, chunk, b):
+                emit(self, seq, chunk, b)
                 (new_running if chunk == remaining else new_prefilling).append(seq)
             elif seq.status is RUNNING:
                 new_prefilling.append(seq)
@@ -221,7 +223,7 @@ class Scheduler:
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
             if chunk and self._grow(seq, chunk, b):
-                self._emit(seq, chunk, b)
+                emit(self, seq, chunk, b)
             (new_running if chunk == remaining else new_prefilling).append(seq)
 
     def _can_swap_in(self, seq: Sequence, chunk: int) -> bool:
@@ -278,20 +280,10 @@ class Scheduler:
             req.queued = False
             self.num_queued_requests -= 1
             self.prompt_tokens += req.num_prompt_tokens
-        self._emit(seq, chunk, b)
+        emit(self, seq, chunk, b)
         return got + chunk == total
 
-    # ------------------------------------------------------------------ blocks and preemption
-
-    def _reserve(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
-        """Make room for `num_new` more tokens, preempting others (or `seq` itself, returning
-        False) when the pool is short."""
-        while not self._grow(seq, num_new, b):
-            victim = self._pick_victim(b.step_id)
-            self._preempt(victim, b)
-            if victim is seq:
-                return False
-        return True
+    # ------------------------------------------------------------------ blocks
 
     def _grow(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
         """Hold slots up to num_computed + num_new; False (nothing changed) if blocks are short."""
@@ -325,120 +317,6 @@ class Scheduler:
                 raise RuntimeError(f"seq {seq.seq_id}: lazily held slots needed a block or a "
                                    f"copy ({cow}); the slot bookkeeping is wrong")
             seq.num_kv_tokens = seq.num_reserved_tokens
-
-    def _pick_victim(self, step_id: int) -> Sequence:
-        """The running sequence not yet scheduled this step with the largest policy key."""
-        key = self.policy.key
-        best, best_key = None, None
-        for seqs in (self.running, self.prefilling):
-            for seq in seqs:
-                if seq.status is RUNNING and seq.last_step != step_id:
-                    k = key(seq)
-                    if best_key is None or k > best_key:
-                        best, best_key = seq, k
-        if best is None:
-            raise RuntimeError("no sequence left to preempt; the caller should have been a candidate")
-        return best
-
-    def _preempt_for_waiting(self, b: PlanBuilder) -> None:
-        """Let the waiting head push out running sequences it outranks when blocks are short."""
-        while self.waiting and self.waiting[0][1].status is not WAITING:
-            heapq.heappop(self.waiting)
-        if not self.waiting:
-            return
-        head = self.waiting[0][1]
-        tokens = head.token_ids
-        cached = (self.kv.lookup_prefix(tokens, head.request.cache_salt)
-                  if self.config.enable_prefix_caching else 0)
-        need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
-        while not self.kv.can_allocate(need, num_cached_tokens=cached):
-            victim = self._pick_victim(b.step_id) if self.num_running else None
-            if victim is None or not self.policy.may_preempt(head, victim):
-                return
-            self._preempt(victim, b)
-
-    def _preempt(self, seq: Sequence, b: PlanBuilder) -> None:
-        kv = self.kv
-        self._sync_kv(seq)
-        can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
-        self.num_preemptions += 1
-        self._remove_running(seq)
-        seq.preempted_step = b.step_id
-        seq.needs_full_send = True  # swap-in and recompute both change its block table
-        seq.lane_cap = -1
-        if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
-            b.swap_out.extend(kv.swap_out(seq.seq_id))
-            seq.status = SWAPPED
-            self.num_swapped += 1
-            heapq.heappush(self.swapped, (self.policy.key(seq), seq))
-        else:
-            kv.free(seq.seq_id)
-            seq.num_computed_tokens = seq.num_reserved_tokens = seq.num_kv_tokens = 0
-            seq.shared_tail = False
-            self._push_waiting(seq)
-
-    # ------------------------------------------------------------------ plan diffs
-
-    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
-        """Add `seq` computing `num_tokens` to the plan, sending only what the workers lack."""
-        sid, tokens = seq.seq_id, seq.token_ids
-        if seq.needs_full_send:
-            block_ids = self.kv.block_table(sid)
-            npr = seq.num_prompt_tokens
-            b.new_seqs.append(NewSeq(sid, tokens[:npr], tokens[npr:],
-                                     seq.request.sampling.for_sample(seq.index),
-                                     block_ids, seq.num_computed_tokens, self.kv.row_of(sid)))
-            seq.needs_full_send = False
-            seq.num_blocks_sent = len(block_ids)
-            seq.num_tokens_sent = len(tokens)
-            b.scheduled.append(ScheduledSeq(sid, num_tokens, [], []))
-        else:
-            num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
-            if num_blocks > seq.num_blocks_sent:
-                new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
-                seq.num_blocks_sent = num_blocks
-            else:
-                new_blocks = []
-            b.scheduled.append(ScheduledSeq(sid, num_tokens, new_blocks,
-                                            tokens[seq.num_tokens_sent:]))
-            seq.num_tokens_sent = len(tokens)
-        seq.step_tokens = num_tokens
-        seq.last_step = b.step_id
-        b.seqs.append(seq)
-        b.budget -= num_tokens
-        if seq.num_computed_tokens + num_tokens == len(tokens):  # it samples
-            if not seq.request.forked:
-                self._fork(seq, b)
-            seq.lane_cap = lane_cap(seq, self.block_size)
-        else:
-            seq.lane_cap = -1
-
-    def _fork(self, parent: Sequence, b: PlanBuilder) -> None:
-        """The step that completes the parent's prompt: its n - 1 siblings share every block
-        and sample from the same logits."""
-        req = parent.request
-        req.forked = True
-        self._sync_kv(parent)
-        parent.shared_tail = True
-        children = []
-        for index in range(1, req.sampling.n):
-            child = self._new_seq(req, index, parent.token_ids[:])
-            self.kv.fork(parent.seq_id, child.seq_id)
-            child.parent_id = parent.seq_id
-            child.status = RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens + parent.step_tokens
-            child.num_reserved_tokens = child.num_kv_tokens = parent.num_reserved_tokens
-            child.shared_tail = True
-            child.needs_full_send = False  # the workers copy the parent's state
-            child.num_tokens_sent = parent.num_tokens_sent
-            child.num_blocks_sent = parent.num_blocks_sent
-            child.last_step = b.step_id
-            children.append(child)
-        self.num_running += len(children)
-        self.num_unforked -= len(children)
-        rows = [self.kv.row_of(c.seq_id) for c in children] if self._shared_tables else []
-        b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children], rows))
-        b.fork_children.extend(children)
 
     # ------------------------------------------------------------------ results
 
