@@ -193,50 +193,66 @@ def main() -> int:
     ipc.send(control, messages.ProcessReady("detokenizer", 0, os.getpid()))
     log.info("ready")
     faults.started()
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    poller.register(clients, zmq.POLLIN)
-    last_beat = 0.0
     try:
-        while True:
-            ready = dict(poller.poll(100 if service.pending else 1000))
-            now = time.monotonic()
-            if now - last_beat >= 1.0:
-                ipc.send(control, messages.Heartbeat("detokenizer", os.getpid()))
-                last_beat = now
-            if service.pending:
-                service.retry_pending()
-            if clients in ready:
-                while clients.get(zmq.EVENTS) & zmq.POLLIN:
-                    identity, msg = ipc.recv_routed(clients)
-                    if isinstance(msg, messages.Hello):
-                        service._deliver(identity, messages.HelloAck(identity))
-            if inbox not in ready:
-                continue
-            for _ in range(64):  # then back to heartbeats and retries, even under a flood
-                if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
-                    break
-                msg = ipc.recv(inbox)
-                faults.on_message()
-                if isinstance(msg, messages.TokenBatch):
-                    service.on_tokens(msg)
-                elif isinstance(msg, messages.DetokOpen):
-                    service.open(msg)
-                elif isinstance(msg, messages.RequestFailed):
-                    service.on_failed(msg)
-                elif isinstance(msg, messages.Reset):
-                    service.reset()
-                elif isinstance(msg, messages.GroupFailed):
-                    service.fail_all(msg.message)
-                elif isinstance(msg, messages.Shutdown):
-                    log.info("stop (%s)", msg.reason or "shutdown")
-                    return 0
+        return _serve(service, inbox, clients, control, faults)
     except KeyboardInterrupt:
         return 0
     finally:
         for s in (inbox, clients, events, control):
             s.close(0)
         ctx.term()
+
+
+def _serve(service: DetokenizerService, inbox, clients, control, faults: FaultInjector) -> int:
+    """The loop: heartbeats, retries of held deltas, clients' hellos, the scheduler's messages;
+    returns 0 at Shutdown."""
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    poller.register(clients, zmq.POLLIN)
+    last_beat = 0.0
+    while True:
+        ready = dict(poller.poll(100 if service.pending else 1000))
+        now = time.monotonic()
+        if now - last_beat >= 1.0:
+            ipc.send(control, messages.Heartbeat("detokenizer", os.getpid()))
+            last_beat = now
+        if service.pending:
+            service.retry_pending()
+        if clients in ready:
+            _answer_hellos(service, clients)
+        if inbox in ready and _drain_inbox(service, inbox, faults):
+            return 0
+
+
+def _answer_hellos(service: DetokenizerService, clients) -> None:
+    """A client's Hello gets a HelloAck, queued behind any deltas held for it."""
+    while clients.get(zmq.EVENTS) & zmq.POLLIN:
+        identity, msg = ipc.recv_routed(clients)
+        if isinstance(msg, messages.Hello):
+            service._deliver(identity, messages.HelloAck(identity))
+
+
+def _drain_inbox(service: DetokenizerService, inbox, faults: FaultInjector) -> bool:
+    """Handle what the scheduler sent, up to 64 messages; True at Shutdown."""
+    for _ in range(64):  # then back to heartbeats and retries, even under a flood
+        if not inbox.get(zmq.EVENTS) & zmq.POLLIN:
+            break
+        msg = ipc.recv(inbox)
+        faults.on_message()
+        if isinstance(msg, messages.TokenBatch):
+            service.on_tokens(msg)
+        elif isinstance(msg, messages.DetokOpen):
+            service.open(msg)
+        elif isinstance(msg, messages.RequestFailed):
+            service.on_failed(msg)
+        elif isinstance(msg, messages.Reset):
+            service.reset()
+        elif isinstance(msg, messages.GroupFailed):
+            service.fail_all(msg.message)
+        elif isinstance(msg, messages.Shutdown):
+            log.info("stop (%s)", msg.reason or "shutdown")
+            return True
+    return False
 
 
 if __name__ == "__main__":
