@@ -290,6 +290,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *block
     for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(start + at, _MM_HINT_T0);
 }
 
+/* The keys [t, t + *count) that lie in t's block (up to k1), and where they start in the cache
+ * (elements); -1 when the table entry is not a valid block id. */
+static inline __attribute__((always_inline)) int64_t block_run(
+        const int32_t *table, int64_t t, int64_t k1, int block_size, int64_t num_blocks,
+        int64_t stride_blk, int64_t stride_tok, int64_t *count) {
+    const int64_t blk = table[t / block_size];
+    if (blk < 0 || blk >= num_blocks) return -1;
+    const int64_t off = t % block_size;
+    *count = block_size - off < k1 - t ? block_size - off : k1 - t;
+    return blk * stride_blk + off * stride_tok;
+}
+
 /* Decode task (one query row) with the group size G and NV = D / VW known at compile time: the
  * group's query rows and accumulators stay in registers across a block's tokens, and the V row
  * is converted once per (token, kv head). Same numbers as attend_* up to summation order. */
@@ -312,12 +324,10 @@ static inline __attribute__((always_inline)) int decode_fixed(
      * kv heads (one sequential stream per block), and scale the scores instead of the query. */
     const float qk_scale = scale * unit;
     for (int64_t t = k0; t < k1;) {
-        const int64_t blk = table[t / block_size];
-        if (blk < 0 || blk >= num_blocks) return -6;
-        const int64_t off = t % block_size;
-        int64_t count = block_size - off;
-        if (count > k1 - t) count = k1 - t;
-        const int64_t row0 = blk * stride_blk + off * stride_tok;
+        int64_t count;
+        const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,
+                                       stride_tok, &count);
+        if (row0 < 0) return -6;
         const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
         for (int64_t j = 0; j < count; j++) {
@@ -339,12 +349,10 @@ static inline __attribute__((always_inline)) int decode_fixed(
     (void)vscale;
 #else
     for (int64_t t = k0; t < k1;) {
-        const int64_t blk = table[t / block_size];
-        if (blk < 0 || blk >= num_blocks) return -6;
-        const int64_t off = t % block_size;
-        int64_t count = block_size - off;
-        if (count > k1 - t) count = k1 - t;
-        const int64_t row0 = blk * stride_blk + off * stride_tok;
+        int64_t count;
+        const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,
+                                       stride_tok, &count);
+        if (row0 < 0) return -6;
         const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
         for (int h = 0; h < num_kv_heads; h++) {
@@ -395,11 +403,10 @@ static inline __attribute__((always_inline)) int decode_fixed(
      * all its kv heads, instead of once per kv head (a partition's V rows outgrow L2). */
     memset(part_acc, 0, sizeof(float) * num_q_heads * D);
     for (int64_t t = k0; t < k1;) {
-        const int64_t blk = table[t / block_size];
-        const int64_t off = t % block_size;
-        int64_t count = block_size - off;
-        if (count > k1 - t) count = k1 - t;
-        const int64_t row0 = blk * stride_blk + off * stride_tok;
+        int64_t count;
+        const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,
+                                       stride_tok, &count);
+        if (row0 < 0) return -6;
         const char *next = block_start(v_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
         for (int64_t j = 0; j < count; j++) {
@@ -428,11 +435,10 @@ static inline __attribute__((always_inline)) int decode_fixed(
             for (int c = 0; c < NV; c++) acc[g][c] = v_zero();
         const float *prow = scores + (int64_t)h * G * n;
         for (int64_t t = k0; t < k1;) {
-            const int64_t blk = table[t / block_size];
-            const int64_t off = t % block_size;
-            int64_t count = block_size - off;
-            if (count > k1 - t) count = k1 - t;
-            const int64_t row0 = blk * stride_blk + off * stride_tok;
+            int64_t count;
+            const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,
+                                           stride_tok, &count);
+            if (row0 < 0) return -6;
             const char *next = h == 0 ? block_start(v_cache, table, t / block_size + 1,
                                                     (k1 - 1) / block_size, num_blocks,
                                                     stride_blk, fmt) : NULL;
