@@ -44,6 +44,21 @@ def test_fp32_weights_pack_and_keep_f_linear_to_rounding(rows):
     torch.testing.assert_close(layer.matmul(x), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_fp32_prefill_sized_inputs_take_mkl(monkeypatch):
+    # from FP32_PACKED_MAX_ROWS rows on F.linear (MKL) is the faster one: the packed product
+    # must not run at all
+    layer = _linear(96, 576, torch.float32)
+    assert layer.prepack()
+    calls = []
+    packed_op = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(layers.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(a[0].shape[0]) or packed_op(*a), raising=False)
+    big = torch.randn(layer.FP32_PACKED_MAX_ROWS, 576)
+    assert torch.equal(layer.matmul(big), F.linear(big, layer.weight))
+    layer.matmul(big[:layer.FP32_PACKED_MAX_ROWS - 1])
+    assert calls == [layer.FP32_PACKED_MAX_ROWS - 1]
+
+
 def test_fp16_weights_stay_unpacked():
     layer = _linear(16, 8, torch.float16)
     assert not layer.prepack() and layer.packed is None
