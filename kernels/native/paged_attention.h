@@ -302,9 +302,10 @@ static inline __attribute__((always_inline)) int64_t block_run(
     return blk * stride_blk + off * stride_tok;
 }
 
-/* Decode task (one query row) with the group size G and NV = D / VW known at compile time: the
- * group's query rows and accumulators stay in registers across a block's tokens, and the V row
- * is converted once per (token, kv head). Same numbers as attend_* up to summation order. */
+/* Decode task (one query row) with the group size G and NV = D / VW known at compile time; each
+ * K and V row is converted once per (token, kv head). With AVX-512 the group's query rows and
+ * accumulators stay in registers across a block's tokens; AVX2 (VW == 8) walks each row once with
+ * all its kv heads instead. Same numbers as attend_* up to summation order. */
 static inline __attribute__((always_inline)) int decode_fixed(
         const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,
@@ -317,7 +318,6 @@ static inline __attribute__((always_inline)) int decode_fixed(
     /* v_load gives e4m3 values / 256: K's factor goes into the query's scale, V's into the
      * accumulators as they are stored */
     const float unit = fmt == FMT_E4M3 ? 256.0f : 1.0f;
-    const vec vscale = v_set1(scale * unit);
     /* pass 1: scores[qh * n + j] */
 #if VW == 8
     /* AVX2: the query rows do not fit in registers either; walk each K row once with all its
@@ -346,8 +346,8 @@ static inline __attribute__((always_inline)) int decode_fixed(
         }
         t += count;
     }
-    (void)vscale;
 #else
+    const vec vscale = v_set1(scale * unit);
     for (int64_t t = k0; t < k1;) {
         int64_t count;
         const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,

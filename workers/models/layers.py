@@ -83,7 +83,7 @@ class PackableLinear(nn.Module):
       45.1 ms, M=64 218 -> 151 ms, M=256 653 -> 542 ms; 1 thread: 328 -> 285 ms at M=64). It sums
       in another order (~1e-4 relative); the fp32 greedy-equality tests against transformers
       pass with it. PAGEDSERVE_PREPACK=0 turns every prepack off. From FP32_PACKED_MAX_ROWS
-      rows on (prefill chunks) MKL is the faster again and takes over (2 threads, one forward's
+      rows on (prefill chunks) MKL's F.linear is faster again and takes over (2 threads, one forward's
       matmuls: 512 rows 695-724 vs 755-780 ms, 1,024 rows 1,338-1,400 vs 1,486-1,586, 2,048 rows
       2,651-2,795 vs 3,057-3,237; at 256-384 rows neither wins every run).
     """
