@@ -81,6 +81,8 @@ class ParallelArgs:
     # (2-core AVX2 EPYC, 64 ShareGPT streams: 143.0 / 149.2 against 119.0 / 115.9 output tok/s,
     # TPOT p50 287-295 against 366-375 ms).
     cpu_threads: int | None = None
+    # CUDA only: never replay decode steps from captured CUDA graphs (workers/cuda_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -236,6 +238,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="compute threads per CPU worker rank (default: the usable cores, split "
                         "between the ranks, at least 1; $OMP_NUM_THREADS overrides)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (default: decode-only steps of up to "
+                        "--max-num-seqs sequences replay captured CUDA graphs)")
     p.add_argument("--max-num-seqs", type=int, default=d.scheduling.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.scheduling.max_num_batched_tokens)
     p.add_argument("--max-queued-requests", type=int, default=d.scheduling.max_queued_requests)

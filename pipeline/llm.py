@@ -93,6 +93,8 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
     if p.cpu_threads:
         argv += ["--cpu-threads", str(p.cpu_threads)]
+    if p.enforce_eager:
+        argv.append("--enforce-eager")
     argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
     return argv

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kernels.kv_format import check_storage
+from workers.cuda_graphs import DecodeGraphs
 from workers.distributed import TPGroup
 from workers.kv_cache import allocate_kv_cache
 from workers.loader import ModelConfig, iter_weights
@@ -41,6 +42,19 @@ class StepTensors:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are returned, in item order
 
 
+@dataclass(slots=True)
+class _StepArrays:
+    """A step flattened on the host (sequences reordered: single-token ones first)."""
+    tokens: np.ndarray        # [T] int64
+    positions: np.ndarray     # [T] int64
+    slots: np.ndarray         # [T] int64
+    tables: np.ndarray        # [n, width] int32, in the reordered sequence order
+    context_lens: np.ndarray  # [n] int32
+    cu: np.ndarray            # [n + 1] int64 row offsets of the reordered sequences
+    num_decode: int           # sequences (= rows) computing exactly one token
+    sample_rows: np.ndarray   # rows whose logits are returned, in item order
+
+
 class ModelRunner:
     # The scheduler's block tables (int32 [rows, width], read-only shared memory) when the
     # worker attached them: items with a table_row read their blocks there.
@@ -49,9 +63,11 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | Path | None, dtype: torch.dtype,
                  device: torch.device | str, block_size: int, num_blocks: int,
                  tp_rank: int = 0, tp_size: int = 1,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256) -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
-        `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`."""
+        `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
+        `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
+        sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
@@ -67,6 +83,11 @@ class ModelRunner:
             prepack_linears(self.model)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
                                           self.device, tp_size, tp_rank)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0:
+            max_blocks = -(-config.max_position_embeddings // block_size)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
+                                              max_blocks)
         log.info("model runner rank %d/%d: %s, %s, %s cache, %d blocks of %d tokens (%.1f MiB)",
                  tp_rank, tp_size, config.architecture, dtype, self.kv_cache_dtype, num_blocks,
                  block_size,
@@ -77,7 +98,16 @@ class ModelRunner:
         """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
         if not items:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        step = self.prepare(items)
+        arrays = self._flatten(items)
+        graphs = self.decode_graphs
+        if graphs is not None and arrays.num_decode == len(items) \
+                and graphs.fits(len(items), arrays.tables.shape[1]):
+            logits = graphs.run(arrays.tokens, arrays.positions, arrays.slots, arrays.tables,
+                                arrays.context_lens)
+            if len(arrays.sample_rows) == len(items):
+                return logits
+            return logits[self._to_device(arrays.sample_rows)]
+        step = self._tensors(arrays)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         if step.sample_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
@@ -85,6 +115,10 @@ class ModelRunner:
 
     def prepare(self, items: list[SeqStep]) -> StepTensors:
         """Flatten the items, single-token sequences first, into the step's tensors."""
+        return self._tensors(self._flatten(items))
+
+    def _flatten(self, items: list[SeqStep]) -> _StepArrays:
+        """The step as flat arrays, single-token sequences first."""
         n, bs = len(items), self.block_size
         lens = np.fromiter((len(it.token_ids) for it in items), np.int64, n)
         if (lens == 0).any():
@@ -118,17 +152,20 @@ class ModelRunner:
         inverse[order] = np.arange(n)
         sample_mask = np.fromiter((it.sample for it in items), bool, n)
         sample_rows = (cu[inverse + 1] - 1)[sample_mask]
+        return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
+                           sample_rows)
 
-        to = self._to_device
+    def _tensors(self, a: _StepArrays) -> StepTensors:
+        to, d = self._to_device, a.num_decode
         meta = AttentionMetadata(
-            slot_mapping=to(slots),
-            num_decode_tokens=num_decode,
-            decode_block_tables=to(tables_o[:num_decode]),
-            decode_context_lens=to(context_lens[:num_decode]),
-            prefill_block_tables=to(tables_o[num_decode:]),
-            prefill_cu_seqlens_q=to((cu[num_decode:] - cu[num_decode]).astype(np.int32)),
-            prefill_context_lens=to(context_lens[num_decode:]))
-        return StepTensors(to(tokens), to(positions), meta, to(sample_rows))
+            slot_mapping=to(a.slots),
+            num_decode_tokens=d,
+            decode_block_tables=to(a.tables[:d]),
+            decode_context_lens=to(a.context_lens[:d]),
+            prefill_block_tables=to(a.tables[d:]),
+            prefill_cu_seqlens_q=to((a.cu[d:] - a.cu[d]).astype(np.int32)),
+            prefill_context_lens=to(a.context_lens[d:]))
+        return StepTensors(to(a.tokens), to(a.positions), meta, to(a.sample_rows))
 
     def _shared_block_tables(self, rows: np.ndarray, context_lens: np.ndarray,
                              order: np.ndarray) -> np.ndarray:

@@ -81,14 +81,16 @@ def build_core(cfg: EngineConfig, rank: int):
                                              budget, tp)
     else:
         probe = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size, 1,
-                            rank, tp, cache_dtype)
+                            rank, tp, cache_dtype, cuda_graph_batch=0)
         free = device_budget_bytes(device, memory_utilization=cfg.cache.gpu_memory_utilization)
         runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, cache_dtype,
                                              free, tp)
         del probe
         torch.cuda.empty_cache()
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
-                         runner_blocks, rank, tp, cache_dtype)
+                         runner_blocks, rank, tp, cache_dtype,
+                         cuda_graph_batch=0 if cfg.parallel.enforce_eager
+                         else cfg.scheduling.max_num_seqs)
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"

@@ -1,4 +1,4 @@
-"""Engine config: the CPU thread default and its flag."""
+"""Engine config: the CPU thread default and its flag, and the other flags."""
 import os
 
 import pytest
@@ -52,7 +52,8 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
     given = dict(served_model_name="m", dtype="float32", max_model_len=999, seed=7,
                  block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,
                  swap_space=0.25, enable_prefix_caching=False, kv_cache_dtype="fp8",
-                 tensor_parallel_size=2, device="cpu", cpu_threads=3, max_num_seqs=17,
+                 tensor_parallel_size=2, device="cpu", cpu_threads=3, enforce_eager=True,
+                 max_num_seqs=17,
                  max_num_batched_tokens=333, max_queued_requests=44,
                  enable_chunked_prefill=False, preemption_mode="swap",
                  scheduling_policy="priority", step_timeout=9.0, max_restarts=5,
@@ -68,3 +69,10 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
     back = _cfg(*argv)
     for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
         assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
+
+
+def test_enforce_eager_flag():
+    assert _cfg().parallel.enforce_eager is False
+    assert _cfg("--enforce-eager").parallel.enforce_eager is True
+    from pipeline.config import EngineConfig
+    assert EngineConfig.from_kwargs(enforce_eager=True).parallel.enforce_eager is True
