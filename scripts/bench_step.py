@@ -1,6 +1,7 @@
 """Decode step time of our model runner vs. the bf16 matmul roofline and transformers' forward.
 
-For batch sizes 1, 16, 64, 256 at a context of 512 tokens (bf16, CPU by default): every sequence
+For batch sizes 1, 16, 64, 256 at a context of 512 tokens (bf16, CPU by default; `--device cuda`
+times the Triton path on a GPU): every sequence
 owns its own blocks (no sharing, so attention really reads B x 512 tokens of K/V), the cache is
 filled with random K/V (attention cost does not depend on the values), and each timed step
 recomputes the token at position context-1 (same work every step). A step is the runner's whole
@@ -29,14 +30,17 @@ from workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E4
 from workers.model_runner import ModelRunner, SeqStep  # noqa: E402
 
 
-def timed(fn, repeats: int, warmup: int = 2) -> float:
-    """Median seconds per call."""
+def timed(fn, repeats: int, warmup: int = 2, device: str = "cpu") -> float:
+    """Median seconds per call (on a GPU, each call waits for the device's work to finish)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -61,19 +65,20 @@ def linear_shapes(config) -> list[tuple[int, int, int]]:
             (inter, h, layers), (h, config.vocab_size, 1)]
 
 
-def matmul_roofline(config, tokens: int, dtype: torch.dtype) -> tuple[float, int]:
+def matmul_roofline(config, tokens: int, dtype: torch.dtype,
+                    device: str = "cpu") -> tuple[float, int]:
     """(FLOP/s of the model's matmul shapes at `tokens` rows, matmul parameter count)."""
     shapes = linear_shapes(config)
     params = sum(i * o * c for i, o, c in shapes)
-    x = {i: torch.randn(tokens, i, dtype=dtype) for i, _, _ in shapes}
-    w = {(i, o): torch.randn(o, i, dtype=dtype) for i, o, _ in shapes}
+    x = {i: torch.randn(tokens, i, dtype=dtype, device=device) for i, _, _ in shapes}
+    w = {(i, o): torch.randn(o, i, dtype=dtype, device=device) for i, o, _ in shapes}
 
     def one_forward_of_matmuls():
         for i, o, count in shapes:
             for _ in range(count):
                 torch.nn.functional.linear(x[i], w[(i, o)])
 
-    seconds = timed(one_forward_of_matmuls, repeats=5)
+    seconds = timed(one_forward_of_matmuls, repeats=5, device=device)
     return 2 * tokens * params / seconds, params
 
 
@@ -82,29 +87,30 @@ def bench_runner(runner: ModelRunner, batch: int, context: int, repeats: int) ->
     items = [SeqStep([(17 * b) % runner.config.vocab_size], context - 1,
                      list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), True)
              for b in range(batch)]
-    return timed(lambda: runner.execute(items), repeats)
+    return timed(lambda: runner.execute(items), repeats, device=str(runner.device))
 
 
-def bench_hf(model_dir: Path | None, config, context: int, dtype: torch.dtype, repeats: int) -> float:
+def bench_hf(model_dir: Path, random_weights: bool, config, context: int, dtype: torch.dtype,
+             repeats: int, device: str = "cpu") -> float:
     """transformers' forward of one token at batch 1 over a `context - 1` token cache."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    if model_dir is None:
-        from transformers import AutoConfig
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL), dtype=dtype)
+    if random_weights:
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    hf.eval()
+    hf.to(device).eval()
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prompt = torch.randint(0, config.vocab_size, (1, context - 1))
+        prompt = torch.randint(0, config.vocab_size, (1, context - 1), device=device)
         cache = DynamicCache(config=hf.config)
         hf(input_ids=prompt, past_key_values=cache, use_cache=True)
-        token = torch.tensor([[42]])
+        token = torch.tensor([[42]], device=device)
 
         # The cache grows by one token per call (511 -> ~533): negligible next to 512, and
         # cropping it back would add work to transformers' side of the comparison.
-        return timed(lambda: hf(input_ids=token, past_key_values=cache, use_cache=True), repeats)
+        return timed(lambda: hf(input_ids=token, past_key_values=cache, use_cache=True), repeats,
+                     device=device)
 
 
 def main() -> None:
@@ -119,6 +125,9 @@ def main() -> None:
     parser.add_argument("--attention-threads", type=int, default=0,
                         help="threads of the native CPU decode kernel (0: same as --threads)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (Triton kernels)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="cuda: no CUDA graphs (default: decode steps replay captured graphs)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV cache storage (auto: --dtype); fp8 reads a quarter of fp32's bytes")
     args = parser.parse_args()
@@ -128,17 +137,20 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
 
-    model_dir = resolve_model(args.model)
+    device = args.device
+    config_only = args.random_weights and Path(args.model, "config.json").is_file()
+    model_dir = Path(args.model) if config_only else resolve_model(args.model)
     config = load_config(model_dir)
     blocks_per_seq = -(-args.context // args.block_size)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
-    runner = ModelRunner(config, None if args.random_weights else model_dir, dtype, "cpu",
+    runner = ModelRunner(config, None if args.random_weights else model_dir, dtype, device,
                          args.block_size, max(batches) * blocks_per_seq,
-                         kv_cache_dtype=cache_dtype)
+                         kv_cache_dtype=cache_dtype,
+                         cuda_graph_batch=0 if args.enforce_eager else max(batches))
     for layer in runner.kv_cache:  # random K/V (fp8 has no normal_), a layer at a time
         layer.copy_(to_storage(torch.randn(layer.shape), cache_dtype))
 
-    flops, params = matmul_roofline(config, max(batches), dtype)
+    flops, params = matmul_roofline(config, max(batches), dtype, device)
     roofline = flops / (2 * params)
     print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s over {params / 1e6:.1f}M matmul "
           f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
@@ -146,15 +158,18 @@ def main() -> None:
               "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
               "matmul_gflops": round(flops / 1e9, 1),
-              "roofline_tok_s": round(roofline, 1), **cpu_info()}
+              "roofline_tok_s": round(roofline, 1), "device": device,
+              "cuda_graphs": runner.decode_graphs is not None,
+              **(cpu_info() if device == "cpu" else
+                 {"device_name": torch.cuda.get_device_name(torch.device(device))})}
     for batch in batches:
         seconds = bench_runner(runner, batch, args.context, repeats=max(3, int(40 / batch ** 0.5)))
         report[f"step_ms_b{batch}"] = round(seconds * 1e3, 2)
         report[f"decode_tok_s_b{batch}"] = round(batch / seconds, 1)
         print(f"batch {batch:4d}: step {seconds * 1e3:8.2f} ms  {batch / seconds:8.1f} tok/s  "
               f"({100 * batch / seconds / roofline:5.1f}% of roofline)")
-    hf_seconds = bench_hf(None if args.random_weights else model_dir, config, args.context,
-                          dtype, repeats=20)
+    hf_seconds = bench_hf(model_dir, args.random_weights, config, args.context, dtype,
+                          repeats=20, device=device)
     report["hf_step_ms_b1"] = round(hf_seconds * 1e3, 2)
     report["hf_tok_s_b1"] = round(1 / hf_seconds, 1)
     print(f"transformers batch 1: step {hf_seconds * 1e3:.2f} ms  {1 / hf_seconds:.1f} tok/s")
