@@ -75,22 +75,30 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    scale_log2e,
+    part_out_ptr, part_ml_ptr, scale_log2e,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head,
-    group_size, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    group_size, head_dim, partition_tokens,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    # One program per (sequence, kv head): the kv head's whole query group shares each K/V page
-    # load; the group is padded to BLOCK_G >= 16 rows so the scores are one tl.dot.
+    # One program per (sequence, kv head, partition of the context): the kv head's whole query
+    # group shares each K/V tile load; the group is padded to BLOCK_G >= 16 rows so the scores
+    # are one tl.dot. A tile is BLOCK_N tokens (several cache blocks: more loads in flight).
+    # Without SPLIT there is one partition and the program writes the output; with SPLIT it
+    # writes its normalised partial output and (max, sum) for _paged_decode_reduce_kernel.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    num_parts = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
+    start = part * partition_tokens
+    end = tl.minimum(context_len, start + partition_tokens)
 
     group = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    tile = tl.arange(0, BLOCK_N)
     q_heads = kv_head * group_size + group
     q_mask = (group[:, None] < group_size) & (dims[None, :] < head_dim)
     q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
@@ -100,16 +108,19 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     head_base = kv_head * stride_cache_head
-    for logical_block in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + seq * stride_table + logical_block).to(tl.int64)
-        positions = logical_block * BLOCK_SIZE + offsets
-        kv_mask = (positions[:, None] < context_len) & (dims[None, :] < head_dim)
-        kv_offsets = (block * stride_cache_block + offsets[:, None] * stride_cache_offset
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tile
+        visible = positions < end
+        blocks = tl.load(block_tables_ptr + seq * stride_table + positions // BLOCK_SIZE,
+                         mask=visible, other=0).to(tl.int64)
+        kv_mask = visible[:, None] & (dims[None, :] < head_dim)
+        kv_offsets = (blocks[:, None] * stride_cache_block
+                      + (positions % BLOCK_SIZE)[:, None] * stride_cache_offset
                       + head_base + dims[None, :])
         k = load_kv(k_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         v = load_kv(v_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        scores = tl.where(positions[None, :] < context_len, scores, float("-inf"))
+        scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -117,15 +128,77 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLIT:
+        # An empty partition (past the context) leaves m = -inf, l = 0: weight 0 in the reduce.
+        out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        rows = ((seq * tl.num_programs(1) + kv_head) * BLOCK_G + group) * num_parts + part
+        row_ok = group < group_size
+        tl.store(part_out_ptr + rows[:, None] * BLOCK_D + dims[None, :], out,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + rows * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + rows * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_kv_heads,
+    num_parts, head_dim,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (sequence, query head): out = sum_p w_p o_p / sum_p w_p with
+    # w_p = l_p * 2^(m_p - max m) (flash-decoding's combine step).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    group_size = num_q_heads // num_kv_heads
+    kv_head = head // group_size
+    row0 = ((seq * num_kv_heads + kv_head) * BLOCK_G + head - kv_head * group_size) * num_parts
+    parts = tl.arange(0, BLOCK_P)
+    dims = tl.arange(0, BLOCK_D)
+    valid = parts < num_parts
+    m = tl.load(part_ml_ptr + (row0 + parts) * 2, mask=valid, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (row0 + parts) * 2 + 1, mask=valid, other=0.0)
+    w = l * tl.exp2(m - tl.max(m, 0))
+    w = tl.where(valid, w, 0.0)
+    o = tl.load(part_out_ptr + (row0 + parts)[:, None] * BLOCK_D + dims[None, :],
+                mask=valid[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+# Contexts are split into partitions of this many tokens (a multiple of every BLOCK_N) when the
+# batch alone would leave the GPU's multiprocessors idle.
+PARTITION_TOKENS = 512
+
+
+def _tile_tokens(block_size: int) -> int:
+    return max(64, block_size)
+
+
+def _num_partitions(num_seqs: int, num_kv_heads: int, max_tokens: int,
+                    device: torch.device) -> int:
+    """1 (no split) when the batch's (sequence, kv head) programs fill the device twice over;
+    else enough partitions of PARTITION_TOKENS for the longest context the tables can hold.
+
+    Decided from shapes alone (no read of context_lens), so it holds inside a CUDA graph."""
+    parts = triton.cdiv(max_tokens, PARTITION_TOKENS)
+    if parts <= 1 or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return parts if num_seqs * num_kv_heads < 2 * sms else 1
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
-    """Triton version of paged_decode_attention_ref (same signature and result)."""
+                                  scale: float, num_partitions: int | None = None) -> torch.Tensor:
+    """Triton version of paged_decode_attention_ref (same signature and result).
+
+    `num_partitions`: split every context into this many partitions (tests); None decides from
+    the shapes (_num_partitions)."""
     num_seqs, num_q_heads, num_kv_heads, head_dim = _check_decode(
         q, k_cache, v_cache, block_tables, context_lens)
     check_triton_cache("paged_decode_attention", k_cache, v_cache)
@@ -134,15 +207,34 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = _checks.new_output((num_seqs, num_q_heads, head_dim), q)
     if num_seqs == 0:
         return out
+    block_size = k_cache.shape[1]
+    tile = _tile_tokens(block_size)
+    max_tokens = block_tables.shape[1] * block_size
+    parts = num_partitions or _num_partitions(num_seqs, num_kv_heads, max_tokens, q.device)
+    partition_tokens = triton.cdiv(triton.cdiv(max_tokens, parts), tile) * tile
     group_size = num_q_heads // num_kv_heads
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, raw(k_cache), raw(v_cache), block_tables, context_lens, out,
+    block_g, block_d = max(16, triton.next_power_of_2(group_size)), triton.next_power_of_2(head_dim)
+    split = parts > 1
+    if split:
+        rows = num_seqs * num_kv_heads * block_g * parts
+        part_out = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_ml = out                     # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, parts)](
+        q, raw(k_cache), raw(v_cache), block_tables, context_lens, out, part_out, part_ml,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        group_size, head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group_size)),
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+        group_size, head_dim, partition_tokens,
+        BLOCK_SIZE=block_size, BLOCK_N=tile, BLOCK_G=block_g, BLOCK_D=block_d, SPLIT=split,
+        DOT_PRECISION=dot_precision(q.dtype),
         KV_FORMAT=triton_format(k_cache.dtype), DTYPE=triton_dtype(q.dtype),
     )
+    if split:
+        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_out, part_ml, out, out.stride(0), out.stride(1), num_q_heads, num_kv_heads,
+            parts, head_dim,
+            BLOCK_G=block_g, BLOCK_P=triton.next_power_of_2(parts), BLOCK_D=block_d,
+        )
     return out

@@ -124,14 +124,16 @@ def attention_bench(out: Path) -> None:
         tables = tables.view(batch, context // bs)
         lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
         q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-        ms = triton.testing.do_bench(
-            lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5),
-            warmup=50, rep=300, return_mode="median")
         gbytes = 2 * k.numel() * k.element_size() / 1e9
-        report[f"decode_b{batch}_ctx{context}_us"] = round(ms * 1e3, 1)
-        report[f"decode_b{batch}_ctx{context}_GBs"] = round(gbytes / (ms / 1e3))
-        print(f"decode b{batch} ctx{context}: {ms * 1e3:8.1f} us, {gbytes * 1e3:.0f} MB of K/V "
-              f"-> {gbytes / (ms / 1e3):.0f} GB/s")
+        for parts, tag in ((None, ""), (1, "_unsplit")):   # auto (split when few programs), 1
+            ms = triton.testing.do_bench(
+                lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5,
+                                                      num_partitions=parts),
+                warmup=50, rep=300, return_mode="median")
+            report[f"decode_b{batch}_ctx{context}{tag}_us"] = round(ms * 1e3, 1)
+            report[f"decode_b{batch}_ctx{context}{tag}_GBs"] = round(gbytes / (ms / 1e3))
+            print(f"decode b{batch} ctx{context}{tag}: {ms * 1e3:8.1f} us, {gbytes * 1e3:.0f} MB "
+                  f"of K/V -> {gbytes / (ms / 1e3):.0f} GB/s")
         del k, v
     for seqs, q_len in ((8, 512), (4, 2048)):
         context = q_len
@@ -153,8 +155,10 @@ def attention_bench(out: Path) -> None:
 
 
 @section("bench_step")
-def bench_step(out: Path, model_files: Path) -> None:
-    for batches, eager in (("1,16,64,256", False), ("1,16,64,256", True), ("1024", False)):
+def bench_step(out: Path, model_files: Path, step_variants: str) -> None:
+    variants = {"graphs": ("1,16,64,256", False), "eager": ("1,16,64,256", True),
+                "graphs1024": ("1024", False)}
+    for batches, eager in (variants[name] for name in step_variants.split(",")):
         proc = subprocess.run(
             [sys.executable, "scripts/bench_step.py", "--device", "cuda", "--random-weights",
              "--model", str(model_files), "--batch-sizes", batches]
@@ -205,6 +209,8 @@ def main() -> None:
     parser.add_argument("--sharegpt", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    parser.add_argument("--step-variants", default="graphs,eager,graphs1024",
+                        help="bench_step runs: graphs and eager at b1-256, graphs1024 at b1024")
     parser.add_argument("--skip-hf", action="store_true",
                         help="throughput: leave out transformers' static batching (~90 s)")
     args = parser.parse_args()
@@ -224,7 +230,7 @@ def main() -> None:
     if "attention" not in skip:
         attention_bench(args.out)
     if "bench_step" not in skip:
-        bench_step(args.out, args.model_files)
+        bench_step(args.out, args.model_files, args.step_variants)
     if "throughput" not in skip:
         throughput(args.out, args.model_files, args.sharegpt, args.skip_hf)
     (args.out / "cuda_check.json").write_text(json.dumps(report, indent=1))
