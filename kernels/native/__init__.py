@@ -22,9 +22,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-# One translation unit per KV cache format (compiled in parallel) plus the task pool; the
-# header holds the kernel bodies they instantiate.
-_SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c")
+# One translation unit per KV cache format (compiled in parallel) plus the task pool and the
+# fp32 linear (panel GEMM); the header holds the kernel bodies they instantiate.
+_SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c",
+            "linear_f32.c")
 _HEADERS = ("paged_attention.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
@@ -111,6 +112,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32,
                        f32, i32, i32, p, i32]
+    lib.linear_pack_f32.restype = None
+    lib.linear_pack_f32.argtypes = [p, i64, i64, i64, p]
+    lib.linear_f32.restype = ctypes.c_int
+    lib.linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
 
 
 def library() -> ctypes.CDLL | None:

@@ -1,4 +1,5 @@
-"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 to its rounding."""
+"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 (native or oneDNN) to its
+rounding; which kernel fp32 takes."""
 from __future__ import annotations
 
 import pytest
@@ -33,20 +34,53 @@ def test_packed_matmul_equals_f_linear_for_any_batch(rows):
     assert torch.equal(layer.matmul(x), expected)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_fp32_weights_pack_and_keep_f_linear_to_rounding(rows):
-    # oneDNN sums in another order than MKL's sgemm: equal up to fp32 rounding, not bit for bit
+@pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300, 600])
+def test_fp32_weights_pack_and_keep_f_linear_to_rounding(monkeypatch, rows, native):
+    # both kernels sum in another order than MKL's sgemm: equal up to fp32 rounding
+    monkeypatch.setattr(layers, "native_fp32_linear", lambda: native)
     torch.manual_seed(rows)
-    layer = _linear(96, 576, torch.float32)
+    layer = _linear(100, 576, torch.float32)     # 100 outputs: a partial last panel
     x = torch.randn(rows, 576)
     expected = F.linear(x, layer.weight)
-    assert layer.prepack() and layer.packed is not None
+    assert layer.prepack() and layer.prepacked
+    assert (layer.panels is not None) == native and (layer.packed is not None) != native
     torch.testing.assert_close(layer.matmul(x), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_fp32_prefill_sized_inputs_take_mkl(monkeypatch):
+def test_fp32_linears_take_the_native_kernel_at_every_size(monkeypatch):
+    monkeypatch.setattr(layers, "native_fp32_linear", lambda: True)
+    calls = []
+    kernel = layers.native_linear.linear
+    monkeypatch.setattr(layers.native_linear, "linear",
+                        lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    layer = _linear(96, 576, torch.float32)
+    assert layer.prepack()
+    for rows in (1, 64, 2048):
+        layer.matmul(torch.randn(rows, 576))
+    assert calls == [1, 64, 2048]
+
+
+def test_fp32_linear_choice(monkeypatch):
+    monkeypatch.setattr(layers.native_linear, "available", lambda: True)
+    for env, capability, expected in (("auto", "AVX2", True), ("auto", "AVX512", False),
+                                      ("native", "AVX512", True), ("onednn", "AVX2", False)):
+        monkeypatch.setenv("PAGEDSERVE_FP32_LINEAR", env)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        layers.native_fp32_linear.cache_clear()
+        assert layers.native_fp32_linear() is expected, (env, capability)
+    monkeypatch.setenv("PAGEDSERVE_FP32_LINEAR", "fast")
+    layers.native_fp32_linear.cache_clear()
+    with pytest.raises(ValueError, match="PAGEDSERVE_FP32_LINEAR='fast'"):
+        layers.native_fp32_linear()
+    monkeypatch.delenv("PAGEDSERVE_FP32_LINEAR")
+    layers.native_fp32_linear.cache_clear()
+
+
+def test_fp32_prefill_sized_inputs_take_mkl_on_the_onednn_path(monkeypatch):
     # from FP32_PACKED_MAX_ROWS rows on F.linear (MKL) is the faster one: the packed product
     # must not run at all
+    monkeypatch.setattr(layers, "native_fp32_linear", lambda: False)
     layer = _linear(96, 576, torch.float32)
     assert layer.prepack()
     calls = []

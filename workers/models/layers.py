@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native_linear
 from workers.distributed import TPGroup
 
 
@@ -71,30 +73,40 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class PackableLinear(nn.Module):
     """A linear layer (`self.weight` [out, in], no bias) whose CPU weight can be prepacked.
 
-    oneDNN's matmul reorders a plain weight into its blocked layout on every call; at decode
-    batch sizes that reorder (and the fresh buffer it writes) costs as much as the product
-    itself. `prepack()` reorders once after loading; later calls run on the packed copy.
-    - bf16 (measured, 1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us, [64 x 1536] @
-      [1536 x 576] 237 -> 163 us; same results bit for bit). CPUs whose oneDNN has no bf16 inner
-      product (AVX2 without AVX-512/AVX-NE-CONVERT) keep the plain weight:
-      `bf16_prepack_supported()` probes that once.
-    - fp32: F.linear runs MKL's sgemm; the packed oneDNN product is faster at decode sizes,
-      most with 2 threads (AVX2 EPYC, one forward's matmuls without the LM head: M=16 75.5 ->
-      45.1 ms, M=64 218 -> 151 ms, M=256 653 -> 542 ms; 1 thread: 328 -> 285 ms at M=64). It sums
-      in another order (~1e-4 relative); the fp32 greedy-equality tests against transformers
-      pass with it. PAGEDSERVE_PREPACK=0 turns every prepack off. From FP32_PACKED_MAX_ROWS
-      rows on (prefill chunks) MKL's F.linear is faster again and takes over (2 threads, one forward's
-      matmuls: 512 rows 695-724 vs 755-780 ms, 1,024 rows 1,338-1,400 vs 1,486-1,586, 2,048 rows
-      2,651-2,795 vs 3,057-3,237; at 256-384 rows neither wins every run).
+    `prepack()` lays the weight out once after loading for the kernel that multiplies it:
+    - fp32, where `native_fp32_linear()` holds (the native kernels build, and the CPU has no
+      AVX-512): panels for kernels/native/linear_f32.c, at every batch size. On the AVX2 EPYC it
+      beats both oneDNN's packed product and MKL's sgemm (2 threads, one SmolLM2 forward's
+      matmuls: M=1 20.8 vs 33.2 ms, M=64 119.8 vs 149.2, M=1024 2,002 vs 2,338 for MKL; all
+      figures in that file). On AVX-512 CPUs, where its 8-lane vectors were not measured against
+      oneDNN, fp32 stays on the next rule. PAGEDSERVE_FP32_LINEAR=native|onednn overrides.
+    - fp32 otherwise: oneDNN's packed product (it reorders a plain weight on every call
+      otherwise; AVX2 EPYC, M=16 75.5 -> 45.1 ms, M=64 218 -> 151 ms against MKL's F.linear),
+      up to FP32_PACKED_MAX_ROWS rows; from there on (prefill chunks) MKL's F.linear was faster.
+    - bf16 where oneDNN has a bf16 inner product (`bf16_prepack_supported()`): oneDNN's packed
+      product (1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us; same results bit for bit).
+      Elsewhere bf16 keeps the plain weight.
+    fp32 kernels sum in another order than F.linear (~1e-4 relative); the fp32 greedy-equality
+    tests against transformers pass with them. PAGEDSERVE_PREPACK=0 turns every prepack off.
     """
 
     FP32_PACKED_MAX_ROWS = 512
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None   # oneDNN's layout
+    panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32)
+
+    @property
+    def prepacked(self) -> bool:
+        return self.packed is not None or self.panels is not None
 
     def prepack(self) -> bool:
-        """Pack the weight for oneDNN if it is a CPU fp32 or (packable) bf16 weight; whether it did."""
+        """Pack a CPU fp32 or (packable) bf16 weight for its kernel; whether it did."""
         weight = self.weight
-        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if weight.device.type != "cpu":
+            return False
+        if weight.dtype == torch.float32 and native_fp32_linear():
+            self.panels = native_linear.pack(weight.detach())
+            return True
+        if not torch.backends.mkldnn.is_available():
             return False
         if weight.dtype != torch.float32 and (weight.dtype != torch.bfloat16
                                               or not bf16_prepack_supported()):
@@ -103,10 +115,23 @@ class PackableLinear(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return native_linear.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and x.dim() == 2 and (
                 x.shape[0] < self.FP32_PACKED_MAX_ROWS or x.dtype != torch.float32):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+@functools.cache
+def native_fp32_linear() -> bool:
+    """Whether fp32 linears run on kernels/native/linear_f32.c (see PackableLinear)."""
+    choice = os.environ.get("PAGEDSERVE_FP32_LINEAR", "auto")
+    if choice not in ("auto", "native", "onednn"):
+        raise ValueError(f"PAGEDSERVE_FP32_LINEAR={choice!r}: expected auto, native or onednn")
+    if choice == "onednn" or not native_linear.available():
+        return False
+    return choice == "native" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 @functools.cache

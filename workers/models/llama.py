@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         box: 47 ms for the fp32 conversion alone, 2.7 ms into a reused buffer).
         """
         rows, vocab = hidden.shape[0], self.lm_head.shape[0]
-        if self.lm_head_linear.packed is not None:  # fresh output: still faster than the mm below
+        if self.lm_head_linear.prepacked:  # fresh output: still faster than the mm below
             logits = self.lm_head_linear.matmul(hidden)
             if logits.dtype == torch.float32:
                 return logits
