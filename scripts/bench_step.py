@@ -7,8 +7,9 @@ filled with random K/V (attention cost does not depend on the values), and each 
 recomputes the token at position context-1 (same work every step). A step is the runner's whole
 `execute`: tensor preparation, forward, logits of every row (sampling excluded).
 
-Roofline: bf16 matmuls of the model's own linear shapes at M = 256 tokens give FLOP/s, and
-tokens/s at that rate = FLOP/s / (2 x matmul parameters). The last line is one JSON object.
+Roofline: bf16 matmuls of the model's own linear shapes at M = 256 tokens give FLOP/s (the faster
+of torch's F.linear and the engine's own prepacked linear), and tokens/s at that rate = FLOP/s /
+(2 x matmul parameters). The last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -67,19 +68,35 @@ def linear_shapes(config) -> list[tuple[int, int, int]]:
 
 def matmul_roofline(config, tokens: int, dtype: torch.dtype,
                     device: str = "cpu") -> tuple[float, int]:
-    """(FLOP/s of the model's matmul shapes at `tokens` rows, matmul parameter count)."""
+    """(FLOP/s of the model's matmul shapes at `tokens` rows, matmul parameter count).
+
+    The faster of torch's own product (F.linear) and the engine's (PackableLinear, prepacked as
+    the model runner does: on CPUs without AVX-512 the native fp32 kernel, which beats MKL there),
+    so a step is never measured against a slower product than the one it runs."""
+    from workers.models.layers import PackableLinear
+
     shapes = linear_shapes(config)
     params = sum(i * o * c for i, o, c in shapes)
     x = {i: torch.randn(tokens, i, dtype=dtype, device=device) for i, _, _ in shapes}
     w = {(i, o): torch.randn(o, i, dtype=dtype, device=device) for i, o, _ in shapes}
+    engine = {}
+    for (i, o), weight in w.items():
+        engine[(i, o)] = layer = PackableLinear()
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.prepack()
 
-    def one_forward_of_matmuls():
-        for i, o, count in shapes:
-            for _ in range(count):
-                torch.nn.functional.linear(x[i], w[(i, o)])
+    def one_forward_of_matmuls(linear):
+        def run():
+            for i, o, count in shapes:
+                for _ in range(count):
+                    linear(x[i], (i, o))
+        return run
 
-    seconds = timed(one_forward_of_matmuls, repeats=5, device=device)
-    return 2 * tokens * params / seconds, params
+    torch_s = timed(one_forward_of_matmuls(lambda a, key: torch.nn.functional.linear(a, w[key])),
+                    repeats=5, device=device)
+    engine_s = timed(one_forward_of_matmuls(lambda a, key: engine[key].matmul(a)),
+                     repeats=5, device=device)
+    return 2 * tokens * params / min(torch_s, engine_s), params
 
 
 def bench_runner(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:

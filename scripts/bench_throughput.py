@@ -90,21 +90,7 @@ def roofline_tok_s(config, dtype: torch.dtype, device: str, tokens: int = 256
     """(tok/s, matmul FLOP/s): bench_step's matmul roofline at `tokens` rows."""
     import bench_step
 
-    if device == "cpu":
-        flops, params = bench_step.matmul_roofline(config, tokens, dtype)
-    else:  # bench_step times on the CPU only; same shapes here, with the device synchronized
-        shapes = bench_step.linear_shapes(config)
-        params = sum(i * o * c for i, o, c in shapes)
-        x = {i: torch.randn(tokens, i, dtype=dtype, device=device) for i, _, _ in shapes}
-        w = {(i, o): torch.randn(o, i, dtype=dtype, device=device) for i, o, _ in shapes}
-
-        def forward_and_sync():
-            for i, o, count in shapes:
-                for _ in range(count):
-                    torch.nn.functional.linear(x[i], w[(i, o)])
-            torch.cuda.synchronize()
-
-        flops = 2 * tokens * params / bench_step.timed(forward_and_sync, repeats=20)
+    flops, params = bench_step.matmul_roofline(config, tokens, dtype, device)
     return flops / (2 * params), flops
 
 
