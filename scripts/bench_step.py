@@ -73,6 +73,13 @@ def matmul_roofline(config, tokens: int, dtype: torch.dtype,
     The faster of torch's own product (F.linear) and the engine's (PackableLinear, prepacked as
     the model runner does: on CPUs without AVX-512 the native fp32 kernel, which beats MKL there),
     so a step is never measured against a slower product than the one it runs."""
+    torch_flops, engine_flops, params = matmul_rates(config, tokens, dtype, device)
+    return max(torch_flops, engine_flops), params
+
+
+def matmul_rates(config, tokens: int, dtype: torch.dtype,
+                 device: str = "cpu") -> tuple[float, float, int]:
+    """(F.linear FLOP/s, the engine's linear FLOP/s, matmul parameters) at `tokens` rows."""
     from workers.models.layers import PackableLinear
 
     shapes = linear_shapes(config)
@@ -96,7 +103,7 @@ def matmul_roofline(config, tokens: int, dtype: torch.dtype,
                     repeats=5, device=device)
     engine_s = timed(one_forward_of_matmuls(lambda a, key: engine[key].matmul(a)),
                      repeats=5, device=device)
-    return 2 * tokens * params / min(torch_s, engine_s), params
+    return 2 * tokens * params / torch_s, 2 * tokens * params / engine_s, params
 
 
 def bench_runner(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
@@ -167,14 +174,18 @@ def main() -> None:
     for layer in runner.kv_cache:  # random K/V (fp8 has no normal_), a layer at a time
         layer.copy_(to_storage(torch.randn(layer.shape), cache_dtype))
 
-    flops, params = matmul_roofline(config, max(batches), dtype, device)
+    torch_flops, engine_flops, params = matmul_rates(config, max(batches), dtype, device)
+    flops = max(torch_flops, engine_flops)
     roofline = flops / (2 * params)
-    print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s over {params / 1e6:.1f}M matmul "
+    print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s (F.linear {torch_flops / 1e9:.0f}, the "
+          f"engine's linear {engine_flops / 1e9:.0f}) over {params / 1e6:.1f}M matmul "
           f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
     report = {"model": args.model, "dtype": args.dtype, "context": args.context,
               "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
               "matmul_gflops": round(flops / 1e9, 1),
+              "matmul_gflops_torch": round(torch_flops / 1e9, 1),
+              "matmul_gflops_engine": round(engine_flops / 1e9, 1),
               "roofline_tok_s": round(roofline, 1), "device": device,
               "cuda_graphs": runner.decode_graphs is not None,
               **(cpu_info() if device == "cpu" else
