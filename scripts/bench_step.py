@@ -66,20 +66,13 @@ def linear_shapes(config) -> list[tuple[int, int, int]]:
             (inter, h, layers), (h, config.vocab_size, 1)]
 
 
-def matmul_roofline(config, tokens: int, dtype: torch.dtype,
-                    device: str = "cpu") -> tuple[float, int]:
-    """(FLOP/s of the model's matmul shapes at `tokens` rows, matmul parameter count).
-
-    The faster of torch's own product (F.linear) and the engine's (PackableLinear, prepacked as
-    the model runner does: on CPUs without AVX-512 the native fp32 kernel, which beats MKL there),
-    so a step is never measured against a slower product than the one it runs."""
-    torch_flops, engine_flops, params = matmul_rates(config, tokens, dtype, device)
-    return max(torch_flops, engine_flops), params
-
-
 def matmul_rates(config, tokens: int, dtype: torch.dtype,
                  device: str = "cpu") -> tuple[float, float, int]:
-    """(F.linear FLOP/s, the engine's linear FLOP/s, matmul parameters) at `tokens` rows."""
+    """(F.linear FLOP/s, the engine's linear FLOP/s, matmul parameters) at `tokens` rows.
+
+    The roofline is the faster of the two: torch's own product, or the engine's (PackableLinear,
+    prepacked as the model runner does: on CPUs without AVX-512 the native fp32 kernel, which
+    beats MKL there), so a step is never measured against a slower product than the one it runs."""
     from workers.models.layers import PackableLinear
 
     shapes = linear_shapes(config)

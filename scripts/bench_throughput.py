@@ -15,7 +15,7 @@ work.
    counts as useful tokens. `--hf-num-prompts K` measures the first K requests only (tok/s is a
    rate; the report says so); `--skip-hf` skips it.
 3. The bf16 matmul roofline exactly as `scripts/bench_step.py` computes it (its
-   `matmul_roofline`: the model's linear shapes at 256 rows, the faster of F.linear and the
+   `matmul_rates`: the model's linear shapes at 256 rows, the faster of F.linear and the
    engine's own linear, tok/s = FLOP/s / (2 x params)); F.linear's alone is reported beside it.
 
     .venv/bin/python scripts/bench_throughput.py                        # N=200, bf16

@@ -75,7 +75,7 @@ def kernel_tests(out: Path) -> None:
 
 
 @section("greedy")
-def greedy_check(out: Path) -> None:
+def greedy_check() -> None:
     import numpy as np
     from test_worker_core import BLOCK_SIZE, run_greedy
 
@@ -108,7 +108,7 @@ def greedy_check(out: Path) -> None:
 
 
 @section("attention")
-def attention_bench(out: Path) -> None:
+def attention_bench() -> None:
     import triton.testing
 
     from kernels.paged_decode_attention import paged_decode_attention_triton
@@ -226,9 +226,9 @@ def main() -> None:
     if "kernels" not in skip:
         kernel_tests(args.out)
     if "greedy" not in skip:
-        greedy_check(args.out)
+        greedy_check()
     if "attention" not in skip:
-        attention_bench(args.out)
+        attention_bench()
     if "bench_step" not in skip:
         bench_step(args.out, args.model_files, args.step_variants)
     if "throughput" not in skip:
