@@ -18,7 +18,7 @@ from workers.loader import ModelConfig
 from workers.models.attention import AttentionMetadata, paged_attention
 from workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
                                    RMSNorm, RotaryEmbedding, RowParallelLinear, even_split,
-                                   partition_heads)
+                                   partition_heads, silu_and_mul)
 
 
 class LlamaAttention(nn.Module):
@@ -56,8 +56,7 @@ class LlamaMLP(nn.Module):
                                            tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,13 +68,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # The sublayer outputs are fresh tensors, so the residual adds go into them in place.
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache,
-                                meta).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous sublayer output, residual stream before it; None for the first layer) ->
+        (this layer's MLP output, residual stream before it). The residual adds happen inside
+        the norms (fused on CPU fp32), so the stream is hidden + residual between layers."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
@@ -110,10 +115,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (norm applied)."""
         cos, sin = self.rotary.cos_sin(positions)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1],
+                                     meta)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the rows that sample -> fp32 logits [N, vocab], valid until the
