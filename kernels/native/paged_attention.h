@@ -244,12 +244,6 @@ static inline __attribute__((always_inline)) vec v_load(const void *base, int64_
     }
     return _mm256_loadu_ps((const float *)base + i);
 }
-/* (sum a[0], ..., sum a[7]) in one vector: a horizontal-add tree, 9 shuffles and adds */
-static inline vec v_sum8(const vec a[8]) {
-    const vec u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const vec u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
 static inline vec v_round(vec a) {
     return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -260,9 +254,10 @@ static inline vec v_pow2i(vec p, vec i) {   /* p * 2^i for integral i in [-126, 
 }
 #endif
 
-/* Register arrays are sized for the largest case (D = 128, G = 8) and indexed by the constants
- * G, NV and C: arrays sized by them would be variable-length, which GCC places on the stack
- * (an alloca per token and every accumulator in memory) before inlining makes them constant. */
+/* Register arrays are sized for the largest case (D = 128) and indexed by the constants G and
+ * NV: arrays sized by NV would be variable-length, which GCC places on the stack (an alloca per
+ * token, the rows in memory) before inlining makes NV a constant. Fixed sizes: 5-9% faster
+ * (AVX2, 2 threads, SmolLM2 heads, b64/b256 x 512, fp32 and bf16 caches), same results. */
 #define MAX_NV (128 / VW)
 
 /* exp(x) for x <= 0 lanes, the polynomial of exp_nonpos. */
@@ -314,20 +309,20 @@ static inline __attribute__((always_inline)) int64_t block_run(
 }
 
 /* Decode task (one query row) with the group size G and NV = D / VW known at compile time; each
- * K and V element is widened once. With AVX-512 the group's query rows and accumulators stay in
- * registers across a block's tokens; AVX2 (VW == 8) computes scores 8 tokens at a time and keeps
- * column chunks of the accumulators in registers (below). Same numbers as attend_* up to
- * summation order. AVX2, one thread, 2 x 2048 tokens (SmolLM2 heads, cache in L3): bf16 0.40 ->
- * 0.29 ms, fp32 0.41 -> 0.32 ms against the previous row-at-a-time loops. */
+ * K and V row is converted once per (token, kv head). With AVX-512 the group's query rows and
+ * accumulators stay in registers across a block's tokens; AVX2 (VW == 8) walks each row once with
+ * all its kv heads instead. Same numbers as attend_* up to summation order.
+ * Tried on AVX2 and dropped: per kv head, 8 scores per horizontal-add fold and accumulators in
+ * registers per column chunk. 25% faster with the cache in L3, but it walks each block once per
+ * head, and from memory it was slower (2 threads, b64 x 512: fp32 2.20 -> 3.12 ms, b256 bf16
+ * 9.3 -> 10.7 ms): this kernel is bound by how it streams the rows, not by its arithmetic. */
 static inline __attribute__((always_inline)) int decode_fixed(
         const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, const int NV, const int G,
-        float scale, float *scores, float *part_m, float *part_l, float *part_acc, float *kbuf,
-        int fmt) {
+        float scale, float *scores, float *part_m, float *part_l, float *part_acc, int fmt) {
     const int64_t n = k1 - k0;
     const int64_t D = VW * NV;
-    (void)kbuf;   /* the AVX2 pass 1's widened K rows */
     const int num_q_heads = num_kv_heads * G;
     const int64_t row_bytes = stride_tok * fmt_bytes(fmt);
     /* v_load gives e4m3 values / 256: K's factor goes into the query's scale, V's into the
@@ -335,10 +330,8 @@ static inline __attribute__((always_inline)) int decode_fixed(
     const float unit = fmt == FMT_E4M3 ? 256.0f : 1.0f;
     /* pass 1: scores[qh * n + j] */
 #if VW == 8
-    /* AVX2 (16 vector registers): K rows are widened to fp32 once per block (into kbuf; fp32
-     * caches are read in place), then each query head's scores come 8 tokens at a time: 8
-     * running dot products, folded into one vector of 8 sums by a horizontal-add tree (one
-     * fold per 8 scores instead of one per score). */
+    /* AVX2: the query rows do not fit in registers either; walk each K row once with all its
+     * kv heads (one sequential stream per block), and scale the scores instead of the query. */
     const float qk_scale = scale * unit;
     for (int64_t t = k0; t < k1;) {
         int64_t count;
@@ -347,50 +340,17 @@ static inline __attribute__((always_inline)) int decode_fixed(
         if (row0 < 0) return -6;
         const char *next = block_start(k_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
-        const float *kb;            /* fp32 K of this run: token j, head h at kb + j * ks + h * hs */
-        int64_t ks, hs;
-        if (fmt == FMT_F32) {
-            kb = (const float *)k_cache + row0;
-            ks = stride_tok;
-            hs = stride_head;
-        } else {
-            ks = (int64_t)num_kv_heads * D;
-            hs = D;
-            for (int64_t j = 0; j < count; j++) {
-                prefetch_row(next, j, row_bytes);
-                for (int h = 0; h < num_kv_heads; h++)
-                    for (int c = 0; c < NV; c++)
-                        v_storef(kbuf + j * ks + h * hs + VW * c,
-                                 v_load(k_cache, row0 + j * stride_tok + h * stride_head + VW * c,
-                                        fmt));
-            }
-            kb = kbuf;
-        }
-        for (int h = 0; h < num_kv_heads; h++) {
-            for (int g = 0; g < G; g++) {
-                const float *qrow = q + (int64_t)(h * G + g) * D;
-                float *srow = scores + (int64_t)(h * G + g) * n + (t - k0);
-                const float *krow = kb + h * hs;
-                int64_t j = 0;
-                for (; j + 8 <= count; j += 8) {
-                    if (fmt == FMT_F32 && h == 0 && g == 0)
-                        for (int i = 0; i < 8; i++) prefetch_row(next, j + i, row_bytes);
-                    vec a[8];
-                    const vec q0 = v_loadf(qrow);
-                    for (int i = 0; i < 8; i++) a[i] = v_mul(q0, v_loadf(krow + (j + i) * ks));
-                    for (int c = 1; c < NV; c++) {
-                        const vec qc = v_loadf(qrow + VW * c);
-                        for (int i = 0; i < 8; i++)
-                            a[i] = v_fmadd(qc, v_loadf(krow + (j + i) * ks + VW * c), a[i]);
-                    }
-                    v_storef(srow + j, v_mul(v_sum8(a), v_set1(qk_scale)));
-                }
-                for (; j < count; j++) {
-                    if (fmt == FMT_F32 && h == 0 && g == 0) prefetch_row(next, j, row_bytes);
-                    vec a = v_mul(v_loadf(qrow), v_loadf(krow + j * ks));
-                    for (int c = 1; c < NV; c++)
-                        a = v_fmadd(v_loadf(qrow + VW * c), v_loadf(krow + j * ks + VW * c), a);
-                    srow[j] = v_sum(a) * qk_scale;
+        for (int64_t j = 0; j < count; j++) {
+            prefetch_row(next, j, row_bytes);
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t at = row0 + j * stride_tok + h * stride_head;
+                vec k[MAX_NV];
+                for (int c = 0; c < NV; c++) k[c] = v_load(k_cache, at + VW * c, fmt);
+                for (int g = 0; g < G; g++) {
+                    const float *qrow = q + (int64_t)(h * G + g) * D;
+                    vec a = v_mul(v_loadf(qrow), k[0]);
+                    for (int c = 1; c < NV; c++) a = v_fmadd(v_loadf(qrow + VW * c), k[c], a);
+                    scores[(int64_t)(h * G + g) * n + (t - k0) + j] = v_sum(a) * qk_scale;
                 }
             }
         }
@@ -448,11 +408,9 @@ static inline __attribute__((always_inline)) int decode_fixed(
     }
     /* pass 2: part_acc[qh] = sum_j p[qh, j] * V[j] */
 #if VW == 8
-    /* AVX2 has 16 vector registers, too few for G * NV accumulators (SmolLM2: 3 * 8). Each block
-     * is walked per kv head in column chunks of C vectors: G * C accumulators stay in registers
-     * over the block's tokens (loaded from and stored to part_acc once per block), and each V
-     * element is loaded and widened once. */
-    const int C = G * NV + G + 1 <= 16 ? NV : G * 4 + G + 1 <= 16 ? 4 : G * 2 + G + 1 <= 16 ? 2 : 1;
+    /* AVX2 has 16 vector registers, too few for G * NV accumulators (SmolLM2: 3 * 8), which
+     * would spill anyway; so they live in part_acc (L1) and V is walked once, row by row with
+     * all its kv heads, instead of once per kv head (a partition's V rows outgrow L2). */
     memset(part_acc, 0, sizeof(float) * num_q_heads * D);
     for (int64_t t = k0; t < k1;) {
         int64_t count;
@@ -461,26 +419,18 @@ static inline __attribute__((always_inline)) int decode_fixed(
         if (row0 < 0) return -6;
         const char *next = block_start(v_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
-        for (int h = 0; h < num_kv_heads; h++) {
-            const float *prow = scores + (int64_t)h * G * n + (t - k0);
-            for (int c0 = 0; c0 < NV; c0 += C) {
-                vec acc[8][8];
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < C; c++)
-                        acc[g][c] = v_loadf(part_acc + (int64_t)(h * G + g) * D + VW * (c0 + c));
-                for (int64_t j = 0; j < count; j++) {
-                    if (h == 0 && c0 == 0) prefetch_row(next, j, row_bytes);
-                    const int64_t at = row0 + j * stride_tok + h * stride_head + VW * c0;
-                    vec p[8];
-                    for (int g = 0; g < G; g++) p[g] = v_set1(prow[g * n + j]);
-                    for (int c = 0; c < C; c++) {
-                        const vec v = v_load(v_cache, at + VW * c, fmt);
-                        for (int g = 0; g < G; g++) acc[g][c] = v_fmadd(p[g], v, acc[g][c]);
-                    }
+        for (int64_t j = 0; j < count; j++) {
+            prefetch_row(next, j, row_bytes);
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t at = row0 + j * stride_tok + h * stride_head;
+                vec v[MAX_NV];
+                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, fmt);
+                for (int g = 0; g < G; g++) {
+                    const vec p = v_set1(scores[(int64_t)(h * G + g) * n + (t - k0) + j]);
+                    float *acc = part_acc + (int64_t)(h * G + g) * D;
+                    for (int c = 0; c < NV; c++)
+                        v_storef(acc + VW * c, v_fmadd(p, v[c], v_loadf(acc + VW * c)));
                 }
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < C; c++)
-                        v_storef(part_acc + (int64_t)(h * G + g) * D + VW * (c0 + c), acc[g][c]);
             }
         }
         t += count;
@@ -528,7 +478,7 @@ static inline __attribute__((always_inline)) int decode_fixed(
     case (D_) * 16 + (G_):                                                                     \
         return decode_fixed(q, k_cache, v_cache, stride_blk, stride_tok, stride_head,          \
                             table, num_blocks, block_size, k0, k1, num_kv_heads, (D_) / VW,    \
-                            G_, scale, scores, part_m, part_l, part_acc, kbuf, FMT_);
+                            G_, scale, scores, part_m, part_l, part_acc, FMT_);
 #define DECODE_CASES(D_, FMT_)                                                                 \
     DECODE_CASE(D_, 1, FMT_) DECODE_CASE(D_, 2, FMT_) DECODE_CASE(D_, 3, FMT_)                 \
     DECODE_CASE(D_, 4, FMT_) DECODE_CASE(D_, 5, FMT_) DECODE_CASE(D_, 6, FMT_)                 \
@@ -538,8 +488,7 @@ static int decode_fixed_##SUFFIX(                                               
         const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,          \
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,    \
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, int head_dim, int group,    \
-        float scale, float *scores, float *part_m, float *part_l, float *part_acc,             \
-        float *kbuf) {                                                                        \
+        float scale, float *scores, float *part_m, float *part_l, float *part_acc) {           \
     if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128)) return -100;           \
     switch (head_dim * 16 + group) {                                                          \
         DECODE_CASES(64, FMT_)                                                                \
@@ -583,7 +532,7 @@ DEFINE_MERGE(f32, float, store_f32)
     decode_fixed_##SUFFIX(q + b * H * D, k_cache, v_cache, stride_blk, stride_tok, stride_head, \
                           block_tables + b * table_stride, num_blocks, block_size, k0, k1,     \
                           num_kv_heads, head_dim, num_q_heads / num_kv_heads, scale, scores,   \
-                          pm, pl, pacc, scores + H * job->part_tokens)
+                          pm, pl, pacc)
 #else
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc) (-100)
 #endif
@@ -626,8 +575,7 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     if (ctx < 1 || ctx > job->table_width * block_size) { job->status = -5; return; }        \
     if (k0 >= ctx) { for (int64_t h = 0; h < H; h++) pl[h] = 0.0f; return; }                \
     const int64_t k1 = ctx < k0 + part_tokens ? ctx : k0 + part_tokens;                       \
-    float *qf = pa_thread_scratch(H * D + H * part_tokens                                     \
-                                  + (int64_t)block_size * num_kv_heads * D);                  \
+    float *qf = pa_thread_scratch(H * D + H * part_tokens);                                      \
     if (!qf) { job->status = -4; return; }                                                    \
     float *scores = qf + H * D;                                                               \
     int rc = DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc);                                   \
