@@ -34,6 +34,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k/v [T, Hkv, D] into their slots, then attend; returns [T, Hq, D]."""
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta, scale)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over caches that already hold this step's k/v."""
     num_decode = meta.num_decode_tokens
     decode_out = prefill_out = None
     if num_decode:

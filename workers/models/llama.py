@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native_rope_store
 from workers.distributed import TPGroup
 from workers.loader import ModelConfig
-from workers.models.attention import AttentionMetadata, paged_attention
+from workers.models.attention import AttentionMetadata, attend, paged_attention
 from workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
                                    RMSNorm, RotaryEmbedding, RowParallelLinear, even_split,
-                                   partition_heads, silu_and_mul)
+                                   native_fp32_elementwise, partition_heads, silu_and_mul)
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +40,13 @@ class LlamaAttention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(t, nq + 2 * nkv, d)
+        qkv = self.qkv_proj(x)
+        if native_fp32_elementwise() and native_rope_store.supports(qkv, k_cache):
+            # one native call rotates q and k and stores k and v (fp32 CPU, fp32/bf16 cache)
+            q = native_rope_store.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                             nq, nkv)
+            return self.o_proj(attend(q, k_cache, v_cache, meta, self.scale).reshape(t, nq * d))
+        qkv = qkv.view(t, nq + 2 * nkv, d)
         qk = RotaryEmbedding.apply(qkv[:, :nq + nkv], cos, sin)    # q and k rotated in one op
         out = paged_attention(qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:], k_cache, v_cache,
                               meta, self.scale)

@@ -1,0 +1,74 @@
+"""RoPE + KV cache store of one layer in one native call (kernels/native/rope_store_f32.c).
+
+`rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)` takes the
+fused q|k|v projection [T, (Hq + 2 Hkv) * D] (fp32, CPU), returns the rotated queries [T, Hq, D]
+and stores the rotated keys and the values into their slots (slot -1: not stored), like
+`RotaryEmbedding.apply` followed by `kernels.store_kv`. fp32 and bf16 caches; `supports` says
+when it applies, and the model falls back to the torch ops otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import native
+from ._checks import check_cache_pair, check_int_tensor
+
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 2
+            and qkv.stride(1) == 1 and k_cache.dtype in _FORMATS and k_cache.device.type == "cpu"
+            and native.library() is not None)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
+               num_kv_heads: int, threads: int | None = None) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] fp32; cos/sin [T, D/2] (or [T, 1, D/2]); layer caches
+    [num_blocks, block_size, Hkv, D] (fp32 or bf16); slot_mapping [T] int64 -> q [T, Hq, D]."""
+    # Checks as plain ifs: the messages are formatted only on failure (this runs per layer).
+    if not supports(qkv, k_cache):
+        raise ValueError(
+            f"rope_store: expected a 2-D fp32 CPU qkv with unit last stride and an fp32/bf16 CPU "
+            f"cache, got qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}, cache "
+            f"{k_cache.dtype} on {k_cache.device}"
+            + ("" if native.library() is not None else f" ({native.unavailable_reason()})"))
+    if not (v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+            and k_cache.dim() == 4 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
+        check_cache_pair("rope_store", k_cache, v_cache)
+    num_tokens = qkv.shape[0]
+    num_blocks, block_size, cache_heads, head_dim = k_cache.shape
+    if cache_heads != num_kv_heads or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"rope_store: qkv {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x {num_kv_heads} "
+            f"heads of {head_dim} for a cache of {cache_heads} kv heads")
+    cos, sin = cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)
+    if not (cos.shape == sin.shape == (num_tokens, head_dim // 2) and cos.dtype == sin.dtype
+            == torch.float32 and cos.stride(1) == 1 and sin.stride() == cos.stride()):
+        raise ValueError(
+            f"rope_store: cos/sin must be fp32 [T={num_tokens}, {head_dim // 2}] rows, got "
+            f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    if not (slot_mapping.dim() == 1 and slot_mapping.dtype == torch.int64
+            and slot_mapping.device == k_cache.device):
+        check_int_tensor("rope_store", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"rope_store: slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"rope_store: k_cache and v_cache need equal strides, got {k_cache.stride()} "
+            f"and {v_cache.stride()}")
+    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    status = native.library().rope_store_f32(
+        qkv.data_ptr(), num_tokens, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), num_blocks * block_size, block_size, k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), slot_mapping.contiguous().data_ptr(),
+        _FORMATS[k_cache.dtype], threads or torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"rope_store: a slot in slot_mapping is past the cache's "
+                         f"{num_blocks * block_size} slots")
+    if status != 0:
+        raise ValueError(f"rope_store: bad sizes (head_dim {head_dim}, status {status})")
+    return q
