@@ -217,8 +217,9 @@ class RowParallelLinear(PackableLinear):
 
 @functools.cache
 def native_fp32_elementwise() -> bool:
-    """Whether fp32 CPU RMSNorm and SiLU-and-mul run on kernels/native/elementwise_f32.c (the
-    library builds and PAGEDSERVE_NATIVE_ELEMENTWISE is not 0); other inputs take torch. On the
+    """Whether fp32 CPU RMSNorm and SiLU-and-mul run on kernels/native/elementwise_f32.c, and
+    RoPE + the KV store on rope_store_f32.c (the library builds and PAGEDSERVE_NATIVE_ELEMENTWISE
+    is not 0); other inputs take torch. On the
     2-core AVX2 EPYC, SmolLM2-135M fp32, batch 64 at context 511, the decode step's time outside
     the linears and attention fell from 25-39 ms to 19-27 ms (scripts run back to back)."""
     choice = os.environ.get("PAGEDSERVE_NATIVE_ELEMENTWISE", "1")
