@@ -140,13 +140,7 @@ static inline v8 exp_nonpos8(v8 x) {
     OPAQUE(r);
     r = r - fi * LN2_LO;
     const v8 f = r * LOG2E;
-    v8 p = splat(1.5403530393381606e-4f);
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
+    const v8 p = EXP2_POLY(f);
     const v8 scale = (v8)((i + 127) << 23);
     return (v8)((v8i)(p * scale) & ~underflow);
 }

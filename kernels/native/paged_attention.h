@@ -68,20 +68,20 @@ static inline float load_e4m3(const uint8_t *p, int64_t i) {
     return half_to_float(e4m3_half(p[i])) * 256.0f;
 }
 
-/* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^x = 2^i * 2^f, |f| <= 0.5,
- * degree-6 polynomial for 2^f (relative error ~2e-7). */
+/* 2^f for |f| <= 0.5, degree-6 polynomial (relative error ~2e-7); f a float or a GCC vector
+ * (elementwise_f32.c's exp uses it too). */
+#define EXP2_POLY(f)                                                                            \
+    ((((((1.5403530393381606e-4f * (f) + 1.3333558146428443e-3f) * (f)                          \
+         + 9.6181291076284772e-3f) * (f) + 5.5504108664821580e-2f) * (f)                       \
+       + 2.4022650695910071e-1f) * (f) + 6.9314718055994531e-1f) * (f) + 1.0f)
+
+/* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^x = 2^i * 2^f, |f| <= 0.5. */
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.4426950408889634f;
     float i = __builtin_rintf(t);
     float f = t - i;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_POLY(f);
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)i + 127) << 23;
     return p * scale.f;
