@@ -5,7 +5,8 @@ Same contract and numbers as paged_decode_attention_ref (fp32 softmax and accumu
 each sequence's pages are read once, straight from the block table, instead of being gathered
 into a scratch buffer and read again by SDPA. Sequences longer than PART_TOKENS are split into
 partitions that run as separate tasks (so a few long sequences still use every thread) and are
-merged by log-sum-exp.
+merged by log-sum-exp; a batch of fewer sequences than twice the threads gets partitions as small
+as MIN_PART_TOKENS, so that one sequence alone still runs on every thread.
 
 Supports fp32, bf16 and fp8 (e4m3fn, e5m2) caches under fp32 or bf16 queries; the C kernel works in
 fp32 (a bf16 query and its output are converted here, a few hundred KB per layer). `supports()`
@@ -19,11 +20,11 @@ import os
 import torch
 
 from . import native
-from ._checks import require
 from ._workspace import scratch
 from .paged_decode_attention import _check_decode
 
 PART_TOKENS = 512
+MIN_PART_TOKENS = 64
 # Threads of the kernel's task pool; 0: torch's current thread count. A CPU worker sets it to its
 # cores (set_threads), which may exceed its torch threads: see kernels/native/task_pool.c.
 _threads = int(os.environ.get("PAGEDSERVE_ATTENTION_THREADS", "0") or 0)
@@ -59,17 +60,18 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1."""
     num_seqs, num_q_heads, num_kv_heads, head_dim = _check_decode(q, k_cache, v_cache,
                                                                   block_tables, context_lens)
-    require(k_cache.dtype in _FUNCTIONS,
-            f"paged_decode_attention_native: cache dtype {k_cache.dtype} is not supported "
-            f"(float32, bfloat16, float8_e4m3fn or float8_e5m2)")
-    require(q.dtype in _QUERY_DTYPES,
-            f"paged_decode_attention_native: query dtype {q.dtype} is not supported "
-            f"(float32 or bfloat16)")
-    require(k_cache.stride() == v_cache.stride(),
-            f"paged_decode_attention_native: k_cache strides {k_cache.stride()} != v_cache "
-            f"strides {v_cache.stride()}")
+    if k_cache.dtype not in _FUNCTIONS:
+        raise ValueError(f"paged_decode_attention_native: cache dtype {k_cache.dtype} is not "
+                         f"supported (float32, bfloat16, float8_e4m3fn or float8_e5m2)")
+    if q.dtype not in _QUERY_DTYPES:
+        raise ValueError(f"paged_decode_attention_native: query dtype {q.dtype} is not supported "
+                         f"(float32 or bfloat16)")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"paged_decode_attention_native: k_cache strides {k_cache.stride()} != "
+                         f"v_cache strides {v_cache.stride()}")
     lib = native.library()
-    require(lib is not None, f"paged_decode_attention_native: {native.unavailable_reason()}")
+    if lib is None:
+        raise ValueError(f"paged_decode_attention_native: {native.unavailable_reason()}")
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=torch.float32)
     if num_seqs == 0:
         return out.to(q.dtype)
@@ -77,8 +79,16 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     block_size = k_cache.shape[1]
+    threads = _threads or torch.get_num_threads()
+    max_context = int(context_lens.max())
     part_tokens = max(1, PART_TOKENS // block_size) * block_size
-    max_parts = -(-int(context_lens.max()) // part_tokens)
+    if num_seqs < 2 * threads:
+        # Few sequences (the tail of a batch, one interactive stream): cut them finer so that
+        # every thread has tasks, down to MIN_PART_TOKENS.
+        parts = -(-2 * threads // num_seqs)
+        finer = -(-max(-(-max_context // parts), MIN_PART_TOKENS) // block_size) * block_size
+        part_tokens = min(part_tokens, finer)
+    max_parts = -(-max_context // part_tokens)
     workspace = scratch("native_decode", (num_seqs * max(max_parts, 1) * num_q_heads
                                           * (head_dim + 2),), torch.float32, q.device)
     status = getattr(lib, _FUNCTIONS[k_cache.dtype])(
@@ -87,6 +97,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
         ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(),
-        _threads or torch.get_num_threads())
-    require(status == 0, f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
+        threads)
+    if status != 0:
+        raise ValueError(f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
     return out.to(q.dtype)

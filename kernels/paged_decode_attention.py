@@ -26,9 +26,10 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens) -> tuple[int,
                      k_cache.device)
     check_int_tensor("paged_decode_attention", "context_lens", context_lens, 1, torch.int32,
                      k_cache.device)
-    require(block_tables.shape[0] == q.shape[0] and context_lens.shape[0] == q.shape[0],
-            f"paged_decode_attention: q has {q.shape[0]} sequences but block_tables has "
-            f"{block_tables.shape[0]} rows and context_lens {context_lens.shape[0]}")
+    if block_tables.shape[0] != q.shape[0] or context_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"paged_decode_attention: q has {q.shape[0]} sequences but block_tables "
+                         f"has {block_tables.shape[0]} rows and context_lens "
+                         f"{context_lens.shape[0]}")
     return dims
 
 
