@@ -79,6 +79,12 @@ if _decode_cpu_name not in _DECODE_CPU:
 _decode_torch = _DECODE_CPU[_decode_cpu_name]
 
 
+def native_decode_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether CPU decode attention of q over k_cache runs on the native kernel (the default
+    PAGEDSERVE_DECODE_CPU=native, and a build and dtypes it supports)."""
+    return _decode_cpu_name == "native" and not use_triton(q) and _native_decode.supports(q, k_cache)
+
+
 # The Triton wrappers are looked up on their modules at call time (not bound at import) so that
 # tests can reload a module under TRITON_INTERPRET=1.
 
@@ -124,5 +130,5 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     return swap_blocks_ref(src_cache, dst_cache, block_mapping)
 
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
+__all__ = ["store_kv", "paged_decode_attention", "native_decode_rows", "paged_prefill_attention", "copy_blocks",
            "swap_blocks", "set_backend", "get_backend", "use_triton"]

@@ -53,6 +53,7 @@ class _StepArrays:
     cu: np.ndarray            # [n + 1] int64 row offsets of the reordered sequences
     num_decode: int           # sequences (= rows) computing exactly one token
     sample_rows: np.ndarray   # rows whose logits are returned, in item order
+    seq_of_row: np.ndarray    # [T] int64: the reordered sequence of each row
 
 
 class ModelRunner:
@@ -153,7 +154,7 @@ class ModelRunner:
         sample_mask = np.fromiter((it.sample for it in items), bool, n)
         sample_rows = (cu[inverse + 1] - 1)[sample_mask]
         return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
-                           sample_rows)
+                           sample_rows, seq_of_row)
 
     def _tensors(self, a: _StepArrays) -> StepTensors:
         to, d = self._to_device, a.num_decode
@@ -165,6 +166,11 @@ class ModelRunner:
             prefill_block_tables=to(a.tables[d:]),
             prefill_cu_seqlens_q=to((a.cu[d:] - a.cu[d]).astype(np.int32)),
             prefill_context_lens=to(a.context_lens[d:]))
+        if self.device.type == "cpu" and len(a.tokens) > d:
+            # Every row as a decode query over its causal prefix (attention.attend): the prefill
+            # rows' tables and context lengths, built once for all layers.
+            meta.prefill_row_tables = to(a.tables[a.seq_of_row[d:]])
+            meta.prefill_row_context_lens = to((a.positions[d:] + 1).astype(np.int32))
         return StepTensors(to(a.tokens), to(a.positions), meta, to(a.sample_rows))
 
     def _shared_block_tables(self, rows: np.ndarray, context_lens: np.ndarray,

@@ -233,3 +233,28 @@ def test_a_cache_wider_than_the_model_is_refused_at_start(tiny_dir):
                                          "torch.bfloat16 queries"):
         ModelRunner(load_config(tiny_dir), tiny_dir, torch.bfloat16, "cpu", BLOCK_SIZE, 4,
                     kv_cache_dtype=torch.float32)
+
+
+def test_prefill_rows_through_the_native_decode_kernel_match_the_prefill_path(tiny_dir,
+                                                                             monkeypatch):
+    """On CPU the runner gives every prefill row its table and causal context, and attend runs
+    them through the native decode kernel; the per-sequence prefill path must give the same
+    logits: fresh prompts, a chunk after a cached prefix, and decode rows in the same step."""
+    import kernels
+    if not kernels.native_decode_rows(torch.zeros(1, 4, 16), torch.zeros(1, 16, 2, 16)):
+        pytest.skip("the native decode kernel is not the CPU path here")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (40, 23, 1)]
+    tables = [[0, 1, 2], [5, 6], [9]]
+    steps = [[SeqStep(prompts[0][:17], 0, tables[0], False),
+              SeqStep(prompts[1], 0, tables[1], True), SeqStep(prompts[2], 0, tables[2], True)],
+             [SeqStep(prompts[0][17:], 17, tables[0], True), SeqStep([7], 23, tables[1], True),
+              SeqStep([9], 1, tables[2], True)]]
+    native_rows = make_runner(tiny_dir)
+    assert native_rows.prepare(steps[0]).meta.prefill_row_tables is not None
+    got = [all_row_logits(native_rows, items)[0].clone() for items in steps]
+    monkeypatch.setattr(kernels, "native_decode_rows", lambda *args: False)
+    per_sequence = make_runner(tiny_dir)
+    for items, logits in zip(steps, got):
+        torch.testing.assert_close(logits, all_row_logits(per_sequence, items)[0],
+                                   rtol=1e-4, atol=1e-4)

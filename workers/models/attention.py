@@ -24,6 +24,10 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [S, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [S+1] int32, offsets into rows [D, T)
     prefill_context_lens: torch.Tensor  # [S] int32, including this chunk
+    # CPU: each prefill row's block table [T - D, max_blocks] and causal context (position + 1),
+    # so that the native decode kernel attends prefill rows too (see attend); None elsewhere.
+    prefill_row_tables: torch.Tensor | None = None
+    prefill_row_context_lens: torch.Tensor | None = None
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -46,7 +50,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         decode_out = kernels.paged_decode_attention(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
             meta.decode_context_lens, scale)
-    if meta.num_prefill_seqs:
+    if meta.num_prefill_seqs and meta.prefill_row_tables is not None \
+            and kernels.native_decode_rows(q, k_cache):
+        # A prefill row at position p is a decode query over keys 0..p of its sequence: one
+        # native call for all rows instead of a gather and an SDPA per sequence. 2-core EPYC,
+        # SmolLM2, 30 layers, fp32: 29 prompts of 70 tokens 372-416 -> 166-179 ms a step; 4 x 512
+        # about even (851 vs 866 ms), the kernel's arithmetic then matching SDPA's.
+        prefill_out = kernels.paged_decode_attention(
+            q[num_decode:], k_cache, v_cache, meta.prefill_row_tables,
+            meta.prefill_row_context_lens, scale)
+    elif meta.num_prefill_seqs:
         prefill_out = kernels.paged_prefill_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
             meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
