@@ -130,5 +130,5 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     return swap_blocks_ref(src_cache, dst_cache, block_mapping)
 
 
-__all__ = ["store_kv", "paged_decode_attention", "native_decode_rows", "paged_prefill_attention", "copy_blocks",
-           "swap_blocks", "set_backend", "get_backend", "use_triton"]
+__all__ = ["store_kv", "paged_decode_attention", "native_decode_rows", "paged_prefill_attention",
+           "copy_blocks", "swap_blocks", "set_backend", "get_backend", "use_triton"]

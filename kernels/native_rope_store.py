@@ -34,9 +34,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             f"cache, got qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}, cache "
             f"{k_cache.dtype} on {k_cache.device}"
             + ("" if native.library() is not None else f" ({native.unavailable_reason()})"))
-    if not (v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
-            and k_cache.dim() == 4 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
-        check_cache_pair("rope_store", k_cache, v_cache)
+    check_cache_pair("rope_store", k_cache, v_cache)
     num_tokens = qkv.shape[0]
     num_blocks, block_size, cache_heads, head_dim = k_cache.shape
     if cache_heads != num_kv_heads or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
@@ -49,9 +47,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
         raise ValueError(
             f"rope_store: cos/sin must be fp32 [T={num_tokens}, {head_dim // 2}] rows, got "
             f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
-    if not (slot_mapping.dim() == 1 and slot_mapping.dtype == torch.int64
-            and slot_mapping.device == k_cache.device):
-        check_int_tensor("rope_store", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
+    check_int_tensor("rope_store", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(
             f"rope_store: slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")

@@ -194,6 +194,19 @@ def test_kv_cache_sizing_and_per_rank_layout():
         allocate_kv_cache(config, 0, 16, torch.bfloat16, "cpu")
 
 
+def prefix_then_decode_steps(seed: int, long_len: int, split: int, other_len: int):
+    """Two steps over three sequences: step 1 prefills the first `split` tokens of a long prompt
+    (not sampled), a whole prompt of `other_len` and a 1-token prompt; step 2 computes the long
+    prompt's rest after its cached prefix, beside one decode token for each of the others."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (long_len, other_len, 1)]
+    tables = [[0, 1, 2], [5, 6], [9]]
+    return [[SeqStep(prompts[0][:split], 0, tables[0], False),
+             SeqStep(prompts[1], 0, tables[1], True), SeqStep(prompts[2], 0, tables[2], True)],
+            [SeqStep(prompts[0][split:], split, tables[0], True),
+             SeqStep([7], other_len, tables[1], True), SeqStep([9], 1, tables[2], True)]]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_narrow_kv_cache_computes_what_its_values_hold(tiny_dir, monkeypatch, cache_dtype):
     """--kv-cache-dtype: an fp32 model over a bf16 or fp8 cache equals an fp32 cache holding the
@@ -203,13 +216,7 @@ def test_narrow_kv_cache_computes_what_its_values_hold(tiny_dir, monkeypatch, ca
     import kernels
     from kernels import native_rope_store
     from kernels.kv_format import to_storage
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 512, n).tolist() for n in (30, 17, 1)]
-    tables = [[0, 1, 2], [5, 6], [9]]
-    steps = [[SeqStep(prompts[0][:20], 0, tables[0], False),
-              SeqStep(prompts[1], 0, tables[1], True), SeqStep(prompts[2], 0, tables[2], True)],
-             [SeqStep(prompts[0][20:], 20, tables[0], True), SeqStep([7], 17, tables[1], True),
-              SeqStep([9], 1, tables[2], True)]]
+    steps = prefix_then_decode_steps(seed=5, long_len=30, split=20, other_len=17)
     narrow = ModelRunner(load_config(tiny_dir), tiny_dir, torch.float32, "cpu", BLOCK_SIZE,
                          NUM_BLOCKS, kv_cache_dtype=cache_dtype)
     assert narrow.kv_cache.dtype == cache_dtype
@@ -243,13 +250,7 @@ def test_prefill_rows_through_the_native_decode_kernel_match_the_prefill_path(ti
     import kernels
     if not kernels.native_decode_rows(torch.zeros(1, 4, 16), torch.zeros(1, 16, 2, 16)):
         pytest.skip("the native decode kernel is not the CPU path here")
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, 512, n).tolist() for n in (40, 23, 1)]
-    tables = [[0, 1, 2], [5, 6], [9]]
-    steps = [[SeqStep(prompts[0][:17], 0, tables[0], False),
-              SeqStep(prompts[1], 0, tables[1], True), SeqStep(prompts[2], 0, tables[2], True)],
-             [SeqStep(prompts[0][17:], 17, tables[0], True), SeqStep([7], 23, tables[1], True),
-              SeqStep([9], 1, tables[2], True)]]
+    steps = prefix_then_decode_steps(seed=11, long_len=40, split=17, other_len=23)
     native_rows = make_runner(tiny_dir)
     assert native_rows.prepare(steps[0]).meta.prefill_row_tables is not None
     got = [all_row_logits(native_rows, items)[0].clone() for items in steps]
