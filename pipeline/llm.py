@@ -71,7 +71,8 @@ class EngineGroup:
 
 def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
     m, c, p, s = config.model, config.cache, config.parallel, config.scheduling
-    argv = ["--model", model_dir, "--dtype", m.dtype, "--seed", str(m.seed),
+    argv = ["--model", model_dir, "--dtype", m.dtype, "--quantization", m.quantization,
+            "--seed", str(m.seed),
             "--block-size", str(c.block_size), "--swap-space", str(c.swap_space),
             "--kv-cache-dtype", c.kv_cache_dtype,
             "--gpu-memory-utilization", str(c.gpu_memory_utilization),

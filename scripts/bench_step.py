@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (Triton kernels)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="cuda: no CUDA graphs (default: decode steps replay captured graphs)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="int8: the engine's int8 linears (CPU, --dtype float32); the "
+                             "roofline stays the dtype's matmul roofline")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV cache storage (auto: --dtype); fp8 reads a quarter of fp32's bytes")
     args = parser.parse_args()
@@ -163,7 +166,8 @@ def main() -> None:
     runner = ModelRunner(config, None if args.random_weights else model_dir, dtype, device,
                          args.block_size, max(batches) * blocks_per_seq,
                          kv_cache_dtype=cache_dtype,
-                         cuda_graph_batch=0 if args.enforce_eager else max(batches))
+                         cuda_graph_batch=0 if args.enforce_eager else max(batches),
+                         quantization=args.quantization)
     for layer in runner.kv_cache:  # random K/V (fp8 has no normal_), a layer at a time
         layer.copy_(to_storage(torch.randn(layer.shape), cache_dtype))
 
@@ -173,7 +177,8 @@ def main() -> None:
     print(f"matmul roofline: {flops / 1e9:.0f} GFLOP/s (F.linear {torch_flops / 1e9:.0f}, the "
           f"engine's linear {engine_flops / 1e9:.0f}) over {params / 1e6:.1f}M matmul "
           f"parameters -> {roofline:.0f} tok/s   (threads {torch.get_num_threads()})")
-    report = {"model": args.model, "dtype": args.dtype, "context": args.context,
+    report = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+              "context": args.context,
               "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "attention_threads": args.attention_threads,
               "matmul_gflops": round(flops / 1e9, 1),

@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="the engine's --quantization (int8: CPU, --dtype float32); transformers "
+                        "and the roofline stay at --dtype")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default=None, help="per worker rank, e.g. 2GiB")
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{torch_flops / 1e9:.0f} GFLOP/s -> {torch_roofline:.0f} tok/s)", flush=True)
 
     engine_kwargs = {"dtype": args.dtype, "device": device, "seed": args.seed,
+                     "quantization": args.quantization,
                      "max_num_seqs": args.max_num_seqs,
                      "max_num_batched_tokens": args.max_num_batched_tokens,
                      "tensor_parallel_size": args.tensor_parallel_size}
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"of roofline)", flush=True)
 
     import bench_step
-    report = {"model": args.model, "dtype": args.dtype, "device": device, **bench_step.cpu_info(),
+    report = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+              "device": device, **bench_step.cpu_info(),
               "prompt_format": args.prompt_format, "num_prompts": len(requests),
               "elapsed_s": round(ours["elapsed_s"], 2), "requests_s": round(ours["requests_s"], 3),
               "output_tok_s": round(ours["output_tok_s"], 1),

@@ -18,7 +18,7 @@ from workers.kv_cache import allocate_kv_cache
 from workers.loader import ModelConfig, iter_weights
 from workers.models import model_class
 from workers.models.attention import AttentionMetadata
-from workers.models.layers import prepack_linears
+from workers.models.layers import check_quantization, prepack_linears, quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,17 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | Path | None, dtype: torch.dtype,
                  device: torch.device | str, block_size: int, num_blocks: int,
                  tp_rank: int = 0, tp_size: int = 1,
-                 kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256,
+                 quantization: str = "none") -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
+        `quantization`: none, or int8 (CPU, fp32: kernels/native_linear_q8.py).
         `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
         sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
+        check_quantization(quantization, dtype, torch.device(device))
         self.block_size, self.num_blocks = block_size, num_blocks
         self.tp = TPGroup(tp_rank, tp_size)
         self.model = model_class(config.architecture)(config, self.tp, dtype, self.device)
@@ -80,6 +83,10 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_weights(model_dir))
         self.model.eval()
+        if quantization == "int8":
+            done, total = quantize_linears(self.model)
+            log.info("--quantization int8: %d of %d linears in int8 (the rest have in_features "
+                     "that are not whole blocks of 32)", done, total)
         if os.environ.get("PAGEDSERVE_PREPACK", "1") != "0":
             prepack_linears(self.model)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,

@@ -67,6 +67,8 @@ def build_core(cfg: EngineConfig, rank: int):
         torch.set_num_threads(cfg.parallel.threads_per_rank())
         native_decode_attention.set_threads(cfg.parallel.threads_per_rank())
     dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.model.quantization == "int8" and cfg.model.dtype == "auto":
+        dtype = torch.float32   # int8 linears take and give fp32 (kernels/native_linear_q8.py)
     cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     model_config = load_model_config(cfg.model.model)
     init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
@@ -81,7 +83,8 @@ def build_core(cfg: EngineConfig, rank: int):
                                              budget, tp)
     else:
         probe = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size, 1,
-                            rank, tp, cache_dtype, cuda_graph_batch=0)
+                            rank, tp, cache_dtype, cuda_graph_batch=0,
+                            quantization=cfg.model.quantization)
         free = device_budget_bytes(device, memory_utilization=cfg.cache.gpu_memory_utilization)
         runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, cache_dtype,
                                              free, tp)
@@ -90,7 +93,7 @@ def build_core(cfg: EngineConfig, rank: int):
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
                          runner_blocks, rank, tp, cache_dtype,
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
-                         else cfg.scheduling.max_num_seqs)
+                         else cfg.scheduling.max_num_seqs, quantization=cfg.model.quantization)
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"

@@ -44,6 +44,40 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         assert out.outputs[0].text == tokenizer.decode(exp, skip_special_tokens=True)
 
 
+def in_process_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int,
+                      quantization: str) -> list[list[int]]:
+    """Greedy decode in this process, batched as the scheduler batches these few short prompts:
+    one step prefills them all, then each step decodes one token for each."""
+    import torch
+
+    from workers.loader import load_config
+    from workers.model_runner import ModelRunner, SeqStep
+    per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // 16)
+    runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", 16,
+                         per_seq * len(prompts), quantization=quantization)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    items = [SeqStep(p, 0, t, True) for p, t in zip(prompts, tables)]
+    for _ in range(max_new_tokens):
+        for out, row in zip(outputs, runner.execute(items).argmax(-1).tolist()):
+            out.append(row)
+        items = [SeqStep([out[-1]], len(p) + len(out) - 1, t, True)
+                 for p, out, t in zip(prompts, outputs, tables)]
+    return outputs
+
+
+def test_int8_group_greedy_equals_the_in_process_int8_model(model_dir, tokenizer):
+    # --quantization reaches the worker: the group decodes what the int8 model does here
+    ids = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    expected = in_process_greedy(model_dir, ids, 16, "int8")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(model=str(model_dir), quantization="int8", kv_cache_memory="128MiB",
+             swap_space=0.1) as llm:
+        outs = llm.generate(ids, params)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert expected != in_process_greedy(model_dir, ids, 16, "none")   # int8 is really on
+
+
 def test_generate_returns_outputs_in_input_order_with_text_prompts(llm_bf16, model_dir):
     params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in (3, 9, 1, 5)]
     outs = llm_bf16.generate(PROMPTS[:4], params)

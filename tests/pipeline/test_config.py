@@ -43,13 +43,27 @@ def test_kv_cache_dtype_flag():
         EngineConfig.from_kwargs(kv_cache_dtype="q8")
 
 
+def test_quantization_flag():
+    assert _cfg().model.quantization == "none"
+    assert _cfg("--quantization", "int8").model.quantization == "int8"
+    assert _cfg("-q", "int8", "--dtype", "float32").model.quantization == "int8"
+    with pytest.raises(SystemExit):   # argparse names the choices
+        _cfg("--quantization", "int4")
+    from pipeline.config import EngineConfig
+    with pytest.raises(ValueError, match="--quantization must be one of none, int8, got 'awq'"):
+        EngineConfig.from_kwargs(quantization="awq")
+    with pytest.raises(ValueError, match="does not combine with --dtype bfloat16"):
+        _cfg("--quantization", "int8", "--dtype", "bfloat16")
+
+
 def test_offline_api_forwards_every_engine_argument_to_the_group():
     # LLM(...) starts the group with a command line: no engine argument may be dropped on the way
     from dataclasses import asdict
 
     from pipeline.config import EngineConfig
     from pipeline.llm import _config_to_argv
-    given = dict(served_model_name="m", dtype="float32", max_model_len=999, seed=7,
+    given = dict(served_model_name="m", dtype="float32", quantization="int8", max_model_len=999,
+                 seed=7,
                  block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,
                  swap_space=0.25, enable_prefix_caching=False, kv_cache_dtype="fp8",
                  tensor_parallel_size=2, device="cpu", cpu_threads=3, enforce_eager=True,

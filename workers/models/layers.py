@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native_elementwise, native_linear
+from kernels import native, native_elementwise, native_linear, native_linear_q8
 from workers.distributed import TPGroup
 
 
@@ -94,15 +94,26 @@ class PackableLinear(nn.Module):
     FP32_PACKED_MAX_ROWS = 512
     packed: torch.Tensor | None = None   # oneDNN's layout
     panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32)
+    q8: native_linear_q8.PackedQ8 | None = None   # --quantization int8
 
     @property
     def prepacked(self) -> bool:
-        return self.packed is not None or self.panels is not None
+        return self.packed is not None or self.panels is not None or self.q8 is not None
+
+    def quantize_int8(self) -> bool:
+        """--quantization int8: quantize a CPU fp32 weight whose in_features are whole blocks of
+        32 (kernels/native_linear_q8.py); whether it did. Other weights stay as they are."""
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 \
+                or not native_linear_q8.supports(weight.shape[1]):
+            return False
+        self.q8 = native_linear_q8.pack(weight.detach())
+        return True
 
     def prepack(self) -> bool:
         """Pack a CPU fp32 or (packable) bf16 weight for its kernel; whether it did."""
         weight = self.weight
-        if weight.device.type != "cpu":
+        if weight.device.type != "cpu" or self.q8 is not None:
             return False
         if weight.dtype == torch.float32 and native_fp32_linear():
             self.panels = native_linear.pack(weight.detach())
@@ -116,6 +127,8 @@ class PackableLinear(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return native_linear_q8.linear(x, self.q8)
         if self.panels is not None and x.dim() == 2 and x.dtype == torch.float32:
             return native_linear.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and x.dim() == 2 and (
@@ -148,6 +161,26 @@ def bf16_prepack_supported() -> bool:
     except RuntimeError:
         return False
     return bool(torch.equal(out, F.linear(weight, weight)))
+
+
+def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a --quantization this worker cannot run, at start rather than at the first step."""
+    if quantization == "none":
+        return
+    if quantization != "int8":
+        raise ValueError(f"--quantization must be none or int8, got {quantization!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"--quantization int8 runs on CPU workers in float32; this worker has "
+                         f"{dtype} on {device.type}")
+    if not native_linear_q8.available():
+        raise ValueError(f"--quantization int8 needs the native CPU kernels: "
+                         f"{native.unavailable_reason()}")
+
+
+def quantize_linears(model: nn.Module) -> tuple[int, int]:
+    """--quantization int8 for every PackableLinear of `model` (after loading): (quantized, all)."""
+    linears = [module for module in model.modules() if isinstance(module, PackableLinear)]
+    return sum(module.quantize_int8() for module in linears), len(linears)
 
 
 def prepack_linears(model: nn.Module) -> int:
