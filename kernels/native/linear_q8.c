@@ -17,8 +17,9 @@
  * against 8 in one fp32 FMA. Elsewhere the same integer sums run in plain C.
  *
  * Measured (2-core AVX2 EPYC, 2 threads, one SmolLM2 forward's matmuls, this file vs
- * linear_f32.c): M=1 5.0 vs 16.2 ms (a quarter of the bytes to read), M=64 91 vs 124,
- * M=256 255 vs 348, M=1024 1,026 vs 1,237.
+ * linear_f32.c, same run): M=1 6.1 vs 16.5 ms (a quarter of the bytes to read), M=64 93.7 vs
+ * 142.3, M=256 255.9 vs 391.6, M=1024 1,183 vs 1,605. Splitting the rows of a prefill chunk into
+ * 96-384-row passes over the panels (to keep x in L2) measured no better.
  *
  * Threads quantize x by rows, then split the panels (pa_run_tasks). */
 #include <math.h>
@@ -34,7 +35,7 @@
 
 #define QB 32          /* quantization block along K */
 #define QPANEL 16      /* output columns per panel */
-#define QROWS 4        /* rows of x per pass over a panel's block */
+#define QROWS 3        /* rows of x per pass over a panel's block (see q8_rows_*) */
 #define QUANT_ROWS 16  /* rows per quantization task */
 #define W_OFFSET 64    /* packed weights are q_w + 64, q_w in [-63, 63] */
 
@@ -116,10 +117,13 @@ static void quantize_task(void *ctx, int64_t task) {
 
 #ifdef __AVX2__
 /* ROWS rows of quantized x against one panel; ROWS is a constant in each instantiation, so the
- * int32 accumulators stay in registers. */
+ * int32 accumulators stay in registers. 3 rows and the group loop unrolled twice measured best
+ * (in one process, alternating builds; GOP/s at M = 16/64/256/1024 over SmolLM2's four layer
+ * matmuls): 181/222/223/224, against 147/185/195/196 for 4 rows unrolled once; 4 rows keep one
+ * accumulator on the stack. */
 #define DEFINE_Q8_ROWS(ROWS)                                                                     \
 static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32_t *xc,      \
-                                  int64_t K, const uint8_t *panel, const float *pscale,                      \
+                                  int64_t K, const uint8_t *panel, const float *pscale,          \
                                   float out[QROWS][QPANEL]) {                                    \
     const int64_t blocks = K / QB;                                                               \
     const __m256i ones = _mm256_set1_epi16(1);                                                   \
@@ -130,7 +134,7 @@ static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32
         for (int r = 0; r < ROWS; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();         \
         const uint8_t *pb = panel + b * QB * QPANEL;                                                \
         /* unrolled fully, GCC computes all 8 groups' products first and spills them */       \
-        _Pragma("GCC unroll 1")                                                                  \
+        _Pragma("GCC unroll 2")                                                                  \
         for (int g = 0; g < QB / 4; g++) {                                                       \
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pb + g * 64));              \
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pb + g * 64 + 32));         \
@@ -163,7 +167,6 @@ static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32
 DEFINE_Q8_ROWS(1)
 DEFINE_Q8_ROWS(2)
 DEFINE_Q8_ROWS(3)
-DEFINE_Q8_ROWS(4)
 
 static void q8_panel_rows(const int8_t *xq, const float *xs, const int32_t *xc, int64_t rows,
                           int64_t K, const uint8_t *panel, const float *pscale,
@@ -171,8 +174,7 @@ static void q8_panel_rows(const int8_t *xq, const float *xs, const int32_t *xc, 
     switch (rows) {
         case 1: q8_rows_1(xq, xs, xc, K, panel, pscale, out); break;
         case 2: q8_rows_2(xq, xs, xc, K, panel, pscale, out); break;
-        case 3: q8_rows_3(xq, xs, xc, K, panel, pscale, out); break;
-        default: q8_rows_4(xq, xs, xc, K, panel, pscale, out); break;
+        default: q8_rows_3(xq, xs, xc, K, panel, pscale, out); break;
     }
 }
 #else
