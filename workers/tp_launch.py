@@ -31,6 +31,7 @@ class RankSpec:
     num_blocks: int = 256
     num_cpu_blocks: int = 0
     sampler_seed: int | None = 0
+    quantization: str = "none"      # or int8 (ModelRunner)
 
 
 def _free_port() -> int:
@@ -53,7 +54,8 @@ def _rank_main(rank: int, size: int, init_method: str, spec: RankSpec, conn: Con
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device
         init_distributed(rank, size, init_method, device)
         runner = ModelRunner(load_config(spec.model_dir), spec.model_dir, getattr(torch, spec.dtype),
-                             device, spec.block_size, spec.num_blocks, rank, size)
+                             device, spec.block_size, spec.num_blocks, rank, size,
+                             quantization=spec.quantization)
         core = WorkerCore(runner, Sampler(seed=spec.sampler_seed) if rank == 0 else None,
                           spec.num_cpu_blocks)
         conn.send_bytes(_READY)

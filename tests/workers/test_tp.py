@@ -25,6 +25,21 @@ def test_tp2_matches_tp1_on_uneven_head_split(tmp_path):
             workers.execute(empty_plan(1, scheduled=[ScheduledSeq(99, 1, [], [])]))
 
 
+def test_tp2_int8_matches_tp1_int8(tmp_path):
+    # --quantization int8 with shards cut at whole blocks of 32 (o_proj 64, down_proj 128 inputs
+    # a rank): both ranks quantize exactly what one rank does; only the all-reduce's fp32 sum
+    # order differs
+    model_dir = make_tiny_llama(tmp_path / "tiny", seed=8, hidden_size=128, num_heads=4,
+                                num_kv_heads=2, intermediate_size=256, tie=False)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (11, 37)]
+    tp1 = run_greedy(make_core(model_dir, quantization="int8").execute, prompts, 10)
+    assert tp1 != run_greedy(make_core(model_dir).execute, prompts, 10)   # int8 is really on
+    spec = RankSpec(str(model_dir), num_blocks=64, quantization="int8")
+    with TPWorkers(spec, tp_size=2, timeout_s=120) as workers:
+        assert run_greedy(workers.execute, prompts, 10) == tp1
+
+
 @pytest.mark.slow
 def test_tp2_matches_tp1_on_smollm2():
     from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
