@@ -233,7 +233,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.model.dtype)
     p.add_argument("--quantization", "-q", default=d.model.quantization, choices=QUANTIZATIONS,
                    help="int8: weights and activations in int8 blocks of 32 along the input "
-                        "(llama.cpp's Q8_0 scheme), CPU workers only; 1.2-3x faster linears than "
+                        "(llama.cpp's Q8_0 scheme), CPU workers only; 1.4-2.7x faster linears than "
                         "fp32 on AVX2, perplexity +0.9%% on ShareGPT text")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

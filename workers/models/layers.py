@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native, native_elementwise, native_linear, native_linear_q8
+from pipeline.config import QUANTIZATIONS
 from workers.distributed import TPGroup
 
 
@@ -167,8 +168,9 @@ def check_quantization(quantization: str, dtype: torch.dtype, device: torch.devi
     """Refuse a --quantization this worker cannot run, at start rather than at the first step."""
     if quantization == "none":
         return
-    if quantization != "int8":
-        raise ValueError(f"--quantization must be none or int8, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"--quantization int8 runs on CPU workers in float32; this worker has "
                          f"{dtype} on {device.type}")
