@@ -43,7 +43,8 @@ typedef struct {
     const float *x;
     int8_t *xq;
     float *xs;
-    int32_t *xc;       /* per row and block: 64 * sum of q_x (the weights' offset, see above) */
+    int32_t *xc;       /* per row and block: 64 * sum of q_x (the weights' offset, see above);
+                          NULL when only the quantization is wanted */
     const uint8_t *wq;
     const float *ws;
     float *y;
@@ -109,7 +110,7 @@ static void quantize_task(void *ctx, int64_t task) {
             int32_t qsum;
             job->xs[r * blocks + b] = quantize_block(job->x + r * job->ldx + b * QB,
                                                       job->xq + r * job->k + b * QB, &qsum);
-            job->xc[r * blocks + b] = W_OFFSET * qsum;
+            if (job->xc) job->xc[r * blocks + b] = W_OFFSET * qsum;
         }
 }
 
@@ -260,10 +261,7 @@ int linear_q8(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *
  * xq [m][k] int8 and xs [m][k/32] from x (row stride ldx). Returns 0, or -1 on bad sizes. */
 int quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *xq, float *xs) {
     if (m < 1 || k < QB || k % QB != 0 || ldx < k) return -1;
-    int32_t *xc = malloc(sizeof(int32_t) * m * (k / QB));
-    if (xc == NULL) return -2;
-    q8_job job = {x, xq, xs, xc, NULL, NULL, NULL, m, k, 0, ldx, 0, 0, 0};
+    q8_job job = {x, xq, xs, NULL, NULL, NULL, NULL, m, k, 0, ldx, 0, 0, 0};
     for (int64_t t = 0; t < (m + QUANT_ROWS - 1) / QUANT_ROWS; t++) quantize_task(&job, t);
-    free(xc);
     return 0;
 }

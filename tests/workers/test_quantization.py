@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native_linear_q8
+from test_model import all_row_logits
 from workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from workers.model_runner import ModelRunner, SeqStep
 from workers.models.layers import PackableLinear
@@ -43,10 +44,7 @@ def runner(model_dir, quantization, num_blocks=32):
 def prefill_logits(run: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt computed in one step."""
     table = list(range(-(-len(tokens) // BLOCK_SIZE)))
-    step = run.prepare([SeqStep(tokens, 0, table, True)])
-    with torch.inference_mode():
-        hidden = run.model(step.input_ids, step.positions, run.kv_cache, step.meta)
-        return run.model.compute_logits(hidden)
+    return all_row_logits(run, [SeqStep(tokens, 0, table, True)])[0]
 
 
 def q8_linears(run: ModelRunner) -> list[PackableLinear]:
