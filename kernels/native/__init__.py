@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 
 # One translation unit per KV cache format (compiled in parallel) plus the task pool, the fp32
-# linear (panel GEMM), the int8 linear (--quantization int8), the fp32 elementwise ops (RMSNorm,
+# and bf16 linears (panel GEMM), the int8 linear (--quantization int8), the fp32 elementwise ops (RMSNorm,
 # SiLU * up) and RoPE + KV store; the header holds the kernel bodies they instantiate.
 _SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c",
-            "linear_f32.c", "linear_q8.c", "elementwise_f32.c", "rope_store_f32.c")
-_HEADERS = ("paged_attention.h",)
+            "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise_f32.c", "rope_store_f32.c")
+_HEADERS = ("paged_attention.h", "linear_panels.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 
@@ -117,6 +117,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_pack_f32.argtypes = [p, i64, i64, i64, p]
     lib.linear_f32.restype = ctypes.c_int
     lib.linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+    lib.linear_pack_bf16.restype = None
+    lib.linear_pack_bf16.argtypes = [p, i64, i64, i64, p]
+    lib.linear_bf16.restype = ctypes.c_int
+    lib.linear_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i32]
     lib.linear_q8.restype = ctypes.c_int
     lib.linear_q8.argtypes = [p, i64, i64, i64, p, p, i64, p, i64, i32]
     lib.quantize_rows_q8.restype = ctypes.c_int

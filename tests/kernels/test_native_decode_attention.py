@@ -178,11 +178,14 @@ for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e
         args = (q, kv[0, 0], kv[0, 1], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
         err = rel_error(paged_decode_attention_native(*args), paged_decode_attention_ref(*args))
         assert err < tol, (dtype, hq, hkv, d, err)
-from kernels import native_linear   # the fp32 linear in the same build
-for m, n, k in ((1, 17, 576), (7, 100, 33), (13, 64, 1536)):
-    w, x = torch.randn(n, k, generator=rng), torch.randn(m, k, generator=rng)
-    out = native_linear.linear(x, native_linear.pack(w), n)
-    assert torch.allclose(out.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-3), (m, n, k)
+from kernels import native_linear   # the fp32 and bf16 linears in the same build
+for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):
+    for m, n, k in ((1, 17, 576), (7, 100, 33), (13, 64, 1536)):
+        w = torch.randn(n, k, generator=rng).to(dtype)
+        x = torch.randn(m, k, generator=rng).to(dtype)
+        out = native_linear.linear(x, native_linear.pack(w), n)
+        assert out.dtype == dtype and torch.allclose(
+            out.double(), x.double() @ w.double().t(), rtol=rtol, atol=1e-3), (dtype, m, n, k)
 print("ok")
 """
 

@@ -1,5 +1,5 @@
-"""Prepacked linears: bf16 gives F.linear's numbers bit for bit, fp32 (native or oneDNN) to its
-rounding; which kernel fp32 takes."""
+"""Prepacked linears: bf16 on oneDNN gives F.linear's numbers bit for bit, bf16 on the native
+kernel and fp32 (native or oneDNN) to their rounding; which kernel each dtype takes."""
 from __future__ import annotations
 
 import pytest
@@ -98,12 +98,46 @@ def test_fp16_weights_stay_unpacked():
     assert not layer.prepack() and layer.packed is None
 
 
-def test_bf16_weights_stay_unpacked_where_onednn_cannot_pack_them(monkeypatch):
+def test_bf16_weights_stay_unpacked_without_onednn_or_native_bf16(monkeypatch):
     monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: False)
+    monkeypatch.setattr(layers, "native_bf16_linear", lambda: False)
     layer = _linear(16, 8, torch.bfloat16)
     assert not layer.prepack() and layer.packed is None
     x = torch.randn(3, 8).to(torch.bfloat16)
     assert torch.equal(layer.matmul(x), F.linear(x, layer.weight))
+
+
+@pytest.mark.skipif(not layers.native_linear.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_native_bf16_panels_keep_f_linear_to_a_bf16_rounding(monkeypatch, rows):
+    # both sum in fp32 and round once to bf16, in other orders: at most an ulp or so apart
+    monkeypatch.setattr(layers, "native_bf16_linear", lambda: True)
+    torch.manual_seed(rows)
+    layer = _linear(100, 576, torch.bfloat16)    # 100 outputs: a partial last panel
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight)
+    assert layer.prepack() and layer.packed is None
+    assert layer.panels is not None and layer.panels.dtype == torch.bfloat16
+    out = layer.matmul(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -7, atol=2e-2)
+    assert float((out != expected).float().mean()) < 0.01      # measured 0 to 0.013%
+
+
+def test_bf16_linear_choice(monkeypatch):
+    monkeypatch.setattr(layers.native_linear, "available", lambda: True)
+    for env, onednn_bf16, expected in (("auto", False, True), ("auto", True, False),
+                                       ("native", True, True), ("torch", False, False)):
+        monkeypatch.setenv("PAGEDSERVE_BF16_LINEAR", env)
+        monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: onednn_bf16)
+        layers.native_bf16_linear.cache_clear()
+        assert layers.native_bf16_linear() is expected, (env, onednn_bf16)
+    monkeypatch.setenv("PAGEDSERVE_BF16_LINEAR", "amx")
+    layers.native_bf16_linear.cache_clear()
+    with pytest.raises(ValueError, match="PAGEDSERVE_BF16_LINEAR='amx'"):
+        layers.native_bf16_linear()
+    monkeypatch.delenv("PAGEDSERVE_BF16_LINEAR")
+    layers.native_bf16_linear.cache_clear()
 
 
 @needs_bf16_packing

@@ -85,16 +85,19 @@ class PackableLinear(nn.Module):
     - fp32 otherwise: oneDNN's packed product (it reorders a plain weight on every call
       otherwise; AVX2 EPYC, M=16 75.5 -> 45.1 ms, M=64 218 -> 151 ms against MKL's F.linear),
       up to FP32_PACKED_MAX_ROWS rows; from there on (prefill chunks) MKL's F.linear was faster.
-    - bf16 where oneDNN has a bf16 inner product (`bf16_prepack_supported()`): oneDNN's packed
-      product (1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us; same results bit for bit).
-      Elsewhere bf16 keeps the plain weight.
+    - bf16 where oneDNN has a bf16 inner product (`bf16_prepack_supported()`: AVX-512 BF16,
+      AMX): oneDNN's packed product (1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us; same
+      results bit for bit).
+    - bf16 elsewhere (`native_bf16_linear()`: AVX2, where torch emulates the bf16 product at
+      ~17 GFLOP/s): bf16 panels for kernels/native/linear_bf16.c, widened to fp32 in registers
+      and summed in fp32. PAGEDSERVE_BF16_LINEAR=native|torch overrides.
     fp32 kernels sum in another order than F.linear (~1e-4 relative); the fp32 greedy-equality
     tests against transformers pass with them. PAGEDSERVE_PREPACK=0 turns every prepack off.
     """
 
     FP32_PACKED_MAX_ROWS = 512
     packed: torch.Tensor | None = None   # oneDNN's layout
-    panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32)
+    panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32 or bf16)
     q8: native_linear_q8.PackedQ8 | None = None   # --quantization int8
 
     @property
@@ -116,7 +119,8 @@ class PackableLinear(nn.Module):
         weight = self.weight
         if weight.device.type != "cpu" or self.q8 is not None:
             return False
-        if weight.dtype == torch.float32 and native_fp32_linear():
+        if (weight.dtype == torch.float32 and native_fp32_linear()) or \
+                (weight.dtype == torch.bfloat16 and native_bf16_linear()):
             self.panels = native_linear.pack(weight.detach())
             return True
         if not torch.backends.mkldnn.is_available():
@@ -130,7 +134,7 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and x.dim() == 2 and x.dtype == torch.float32:
             return native_linear_q8.linear(x, self.q8)
-        if self.panels is not None and x.dim() == 2 and x.dtype == torch.float32:
+        if self.panels is not None and x.dim() == 2 and x.dtype == self.panels.dtype:
             return native_linear.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and x.dim() == 2 and (
                 x.shape[0] < self.FP32_PACKED_MAX_ROWS or x.dtype != torch.float32):
@@ -147,6 +151,19 @@ def native_fp32_linear() -> bool:
     if choice == "onednn" or not native_linear.available():
         return False
     return choice == "native" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@functools.cache
+def native_bf16_linear() -> bool:
+    """Whether bf16 linears run on kernels/native/linear_bf16.c (see PackableLinear): where the
+    native kernels build and oneDNN has no bf16 product of its own. On the 2-core AVX2 EPYC,
+    SmolLM2-135M's matmuls of one forward at M = 256: 15-16 GFLOP/s for torch's F.linear."""
+    choice = os.environ.get("PAGEDSERVE_BF16_LINEAR", "auto")
+    if choice not in ("auto", "native", "torch"):
+        raise ValueError(f"PAGEDSERVE_BF16_LINEAR={choice!r}: expected auto, native or torch")
+    if choice == "torch" or not native_linear.available():
+        return False
+    return choice == "native" or not bf16_prepack_supported()
 
 
 @functools.cache

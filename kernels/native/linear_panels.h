@@ -1,0 +1,102 @@
+/* The panel GEMM shared by the fp32 and bf16 linears (linear_f32.c, linear_bf16.c):
+ * y[M, N] = x[M, K] @ W[N, K]^T with x in fp32 and W packed once at load into panels of 16
+ * output columns, wp[P][K][16] (P = ceil(N / 16), the last panel zero-padded), so a panel is one
+ * sequential stream. Each k step loads the panel's 16 weights once (LOAD turns them into two fp32
+ * vectors: columns 0-7 and 8-15) and multiplies them into up to 6 rows of x held as 12 vector
+ * accumulators (the AVX2 register file's worth); the next 6 rows re-read the panel from cache,
+ * not from memory. A decode step with few rows is bound by reading the weights, and this reads
+ * them at memory speed; with many rows it is the FMA loop.
+ *
+ * GCC vector extensions: -march=native makes them AVX2/AVX-512 FMAs, and a CPU without them gets
+ * the same code in narrower vectors. Threads split the panels (pa_run_tasks). */
+#ifndef LINEAR_PANELS_H
+#define LINEAR_PANELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "paged_attention.h"
+
+#define PANEL 16
+#define MAX_ROWS 6
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+typedef struct {
+    const float *x;
+    const void *wp;
+    void *y;
+    int64_t m, k, n, ldx, ldy, panels_per_task, num_panels;
+} linear_job;
+
+/* Rows [0, ROWS) of x against one panel; ROWS is a constant in each instantiation, so the
+ * accumulators stay in registers. LOAD(panel, k, w0, w1) sets the two weight vectors of step k. */
+#define DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, ROWS)                                               \
+static inline void NAME##_rows_##ROWS(const float *x, int64_t ldx, const WTYPE *panel,          \
+                                      int64_t K, float out[MAX_ROWS][PANEL]) {                   \
+    v8 acc[ROWS][2];                                                                             \
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = (v8){0};                              \
+    for (int64_t k = 0; k < K; k++) {                                                            \
+        v8 w0, w1;                                                                               \
+        LOAD(panel, k, w0, w1);                                                                  \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            const float xv = x[r * ldx + k];                                                     \
+            acc[r][0] += xv * w0;                                                                \
+            acc[r][1] += xv * w1;                                                                \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < ROWS; r++) {                                                             \
+        memcpy(out[r], &acc[r][0], sizeof(v8));                                                  \
+        memcpy(out[r] + 8, &acc[r][1], sizeof(v8));                                              \
+    }                                                                                            \
+}
+
+/* NAME_task(ctx, task): the panels of one task against every row of x, ROWS_MAX (<= MAX_ROWS)
+ * rows at a time; STORE(dst, src, cols) writes one row's `cols` fp32 results to y's type. */
+#define DEFINE_PANEL_TASK(NAME, WTYPE, YTYPE, LOAD, STORE, ROWS_MAX)                             \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 1)                                                          \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 2)                                                          \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 3)                                                          \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 4)                                                          \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 5)                                                          \
+DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 6)                                                          \
+static void NAME##_task(void *ctx, int64_t task) {                                               \
+    const linear_job *job = ctx;                                                                 \
+    const int64_t first = task * job->panels_per_task;                                           \
+    int64_t last = first + job->panels_per_task;                                                 \
+    if (last > job->num_panels) last = job->num_panels;                                          \
+    float out[MAX_ROWS][PANEL];                                                                  \
+    for (int64_t p = first; p < last; p++) {                                                     \
+        const WTYPE *panel = (const WTYPE *)job->wp + p * job->k * PANEL;                        \
+        const int64_t n0 = p * PANEL;                                                            \
+        const int64_t cols = job->n - n0 < PANEL ? job->n - n0 : PANEL;                          \
+        for (int64_t m0 = 0; m0 < job->m; m0 += (ROWS_MAX)) {                                    \
+            const int64_t rows = job->m - m0 < (ROWS_MAX) ? job->m - m0 : (ROWS_MAX);            \
+            const float *x = job->x + m0 * job->ldx;                                             \
+            switch (rows) {                                                                      \
+                case 1: NAME##_rows_1(x, job->ldx, panel, job->k, out); break;                   \
+                case 2: NAME##_rows_2(x, job->ldx, panel, job->k, out); break;                   \
+                case 3: NAME##_rows_3(x, job->ldx, panel, job->k, out); break;                   \
+                case 4: NAME##_rows_4(x, job->ldx, panel, job->k, out); break;                   \
+                case 5: NAME##_rows_5(x, job->ldx, panel, job->k, out); break;                   \
+                default: NAME##_rows_6(x, job->ldx, panel, job->k, out); break;                  \
+            }                                                                                    \
+            for (int64_t r = 0; r < rows; r++)                                                   \
+                STORE((YTYPE *)job->y + (m0 + r) * job->ldy + n0, out[r], cols);                 \
+        }                                                                                        \
+    }                                                                                            \
+}
+
+/* Run `task` over the panels of job (m, k, n, strides and pointers set) on `num_threads`. */
+static inline void linear_run_panels(linear_job *job, task_fn task, int num_threads) {
+    job->num_panels = (job->n + PANEL - 1) / PANEL;
+    const int64_t threads = num_threads < 1 ? 1 : num_threads;
+    /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
+    job->panels_per_task = job->num_panels / (threads * 8);
+    if (job->panels_per_task < 1) job->panels_per_task = 1;
+    const int64_t tasks = (job->num_panels + job->panels_per_task - 1) / job->panels_per_task;
+    pa_run_tasks((int)threads, task, job, tasks);
+}
+
+#endif
