@@ -102,8 +102,9 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=5)
 
 
-def make_core(model_dir, *, num_blocks=64, num_cpu_blocks=0, sampler=True, quantization="none"):
-    runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", BLOCK_SIZE,
+def make_core(model_dir, *, num_blocks=64, num_cpu_blocks=0, sampler=True, quantization="none",
+              dtype=torch.float32):
+    runner = ModelRunner(load_config(model_dir), model_dir, dtype, "cpu", BLOCK_SIZE,
                          num_blocks, quantization=quantization)
     return WorkerCore(runner, Sampler(seed=0) if sampler else None, num_cpu_blocks)
 
