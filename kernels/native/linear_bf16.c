@@ -43,18 +43,9 @@ __attribute__((noinline)) static void store_row_bf16(bf16_t *dst, const float *s
     for (int64_t c = 0; c < cols; c++) dst[c] = bf16_round(src[c]);
 }
 
-DEFINE_PANEL_TASK(bf16, bf16_t, bf16_t, LOAD_BF16, store_row_bf16, 6)
+DEFINE_PANEL_TASK(bf16, bf16_t, bf16_t, LOAD_BF16, store_row_bf16)
 
-/* wp[P][K][16] from bf16 w[N][K] (row stride ldw), zero-padding the last panel. */
-void linear_pack_bf16(const bf16_t *w, int64_t n, int64_t k, int64_t ldw, bf16_t *wp) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < num_panels; p++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int64_t c = 0; c < PANEL; c++) {
-                const int64_t row = p * PANEL + c;
-                wp[(p * k + kk) * PANEL + c] = row < n ? w[row * ldw + kk] : 0;
-            }
-}
+DEFINE_PANEL_PACK(linear_pack_bf16, bf16_t)
 
 /* y[m][0..n) = x[m][0..k) . W[0..n)[0..k) for packed wp, all bf16; xf: m * k fp32 of scratch.
  * Returns 0, or -1 on bad sizes. */

@@ -17,18 +17,9 @@ static inline void store_row_f32(float *dst, const float *src, int64_t cols) {
     memcpy(dst, src, sizeof(float) * cols);
 }
 
-DEFINE_PANEL_TASK(f32, float, float, LOAD_F32, store_row_f32, 6)
+DEFINE_PANEL_TASK(f32, float, float, LOAD_F32, store_row_f32)
 
-/* wp[P][K][16] from w[N][K] (row stride ldw), zero-padding the last panel. */
-void linear_pack_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *wp) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < num_panels; p++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int64_t c = 0; c < PANEL; c++) {
-                const int64_t row = p * PANEL + c;
-                wp[(p * k + kk) * PANEL + c] = row < n ? w[row * ldw + kk] : 0.0f;
-            }
-}
+DEFINE_PANEL_PACK(linear_pack_f32, float)
 
 /* y[m][0..n) = x[m][0..k) . W[0..n)[0..k) for packed wp; returns 0, or -1 on bad sizes. */
 int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wp,

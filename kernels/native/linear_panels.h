@@ -52,9 +52,9 @@ static inline void NAME##_rows_##ROWS(const float *x, int64_t ldx, const WTYPE *
     }                                                                                            \
 }
 
-/* NAME_task(ctx, task): the panels of one task against every row of x, ROWS_MAX (<= MAX_ROWS)
- * rows at a time; STORE(dst, src, cols) writes one row's `cols` fp32 results to y's type. */
-#define DEFINE_PANEL_TASK(NAME, WTYPE, YTYPE, LOAD, STORE, ROWS_MAX)                             \
+/* NAME_task(ctx, task): the panels of one task against every row of x; STORE(dst, src, cols)
+ * writes one row's `cols` fp32 results to y's element type. */
+#define DEFINE_PANEL_TASK(NAME, WTYPE, YTYPE, LOAD, STORE)                                       \
 DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 1)                                                          \
 DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 2)                                                          \
 DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 3)                                                          \
@@ -71,8 +71,8 @@ static void NAME##_task(void *ctx, int64_t task) {                              
         const WTYPE *panel = (const WTYPE *)job->wp + p * job->k * PANEL;                        \
         const int64_t n0 = p * PANEL;                                                            \
         const int64_t cols = job->n - n0 < PANEL ? job->n - n0 : PANEL;                          \
-        for (int64_t m0 = 0; m0 < job->m; m0 += (ROWS_MAX)) {                                    \
-            const int64_t rows = job->m - m0 < (ROWS_MAX) ? job->m - m0 : (ROWS_MAX);            \
+        for (int64_t m0 = 0; m0 < job->m; m0 += MAX_ROWS) {                                      \
+            const int64_t rows = job->m - m0 < MAX_ROWS ? job->m - m0 : MAX_ROWS;                \
             const float *x = job->x + m0 * job->ldx;                                             \
             switch (rows) {                                                                      \
                 case 1: NAME##_rows_1(x, job->ldx, panel, job->k, out); break;                   \
@@ -86,6 +86,19 @@ static void NAME##_task(void *ctx, int64_t task) {                              
                 STORE((YTYPE *)job->y + (m0 + r) * job->ldy + n0, out[r], cols);                 \
         }                                                                                        \
     }                                                                                            \
+}
+
+/* NAME(w, n, k, ldw, wp): wp[P][K][16] from T w[N][K] (row stride ldw), zero-padding the last
+ * panel. */
+#define DEFINE_PANEL_PACK(NAME, T)                                                               \
+void NAME(const T *w, int64_t n, int64_t k, int64_t ldw, T *wp) {                                \
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;                                          \
+    for (int64_t p = 0; p < num_panels; p++)                                                     \
+        for (int64_t kk = 0; kk < k; kk++)                                                       \
+            for (int64_t c = 0; c < PANEL; c++) {                                                \
+                const int64_t row = p * PANEL + c;                                               \
+                wp[(p * k + kk) * PANEL + c] = row < n ? w[row * ldw + kk] : (T)0;               \
+            }                                                                                    \
 }
 
 /* Run `task` over the panels of job (m, k, n, strides and pointers set) on `num_threads`. */

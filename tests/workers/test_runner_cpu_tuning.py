@@ -61,20 +61,35 @@ def test_fp32_linears_take_the_native_kernel_at_every_size(monkeypatch):
     assert calls == [1, 64, 2048]
 
 
-def test_fp32_linear_choice(monkeypatch):
+# dtype -> (variable, choice function, what the host offers -> patch, (env, host, expected)...)
+_KERNEL_CHOICES = {
+    "fp32": ("PAGEDSERVE_FP32_LINEAR", "native_fp32_linear",
+             lambda mp, host: mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: host),
+             (("auto", "AVX2", True), ("auto", "AVX512", False), ("native", "AVX512", True),
+              ("onednn", "AVX2", False))),
+    "bf16": ("PAGEDSERVE_BF16_LINEAR", "native_bf16_linear",   # host: oneDNN packs bf16
+             lambda mp, host: mp.setattr(layers, "bf16_prepack_supported", lambda: host),
+             (("auto", False, True), ("auto", True, False), ("native", True, True),
+              ("torch", False, False))),
+}
+
+
+@pytest.mark.parametrize("dtype", list(_KERNEL_CHOICES))
+def test_linear_kernel_choice(monkeypatch, dtype):
+    variable, name, offer, cases = _KERNEL_CHOICES[dtype]
+    choice = getattr(layers, name)
     monkeypatch.setattr(layers.native_linear, "available", lambda: True)
-    for env, capability, expected in (("auto", "AVX2", True), ("auto", "AVX512", False),
-                                      ("native", "AVX512", True), ("onednn", "AVX2", False)):
-        monkeypatch.setenv("PAGEDSERVE_FP32_LINEAR", env)
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-        layers.native_fp32_linear.cache_clear()
-        assert layers.native_fp32_linear() is expected, (env, capability)
-    monkeypatch.setenv("PAGEDSERVE_FP32_LINEAR", "fast")
-    layers.native_fp32_linear.cache_clear()
-    with pytest.raises(ValueError, match="PAGEDSERVE_FP32_LINEAR='fast'"):
-        layers.native_fp32_linear()
-    monkeypatch.delenv("PAGEDSERVE_FP32_LINEAR")
-    layers.native_fp32_linear.cache_clear()
+    for env, host, expected in cases:
+        monkeypatch.setenv(variable, env)
+        offer(monkeypatch, host)
+        choice.cache_clear()
+        assert choice() is expected, (env, host)
+    monkeypatch.setenv(variable, "fast")
+    choice.cache_clear()
+    with pytest.raises(ValueError, match=f"{variable}='fast'"):
+        choice()
+    monkeypatch.delenv(variable)
+    choice.cache_clear()
 
 
 def test_fp32_prefill_sized_inputs_take_mkl_on_the_onednn_path(monkeypatch):
@@ -122,22 +137,6 @@ def test_native_bf16_panels_keep_f_linear_to_a_bf16_rounding(monkeypatch, rows):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -7, atol=2e-2)
     assert float((out != expected).float().mean()) < 0.01      # measured 0 to 0.013%
-
-
-def test_bf16_linear_choice(monkeypatch):
-    monkeypatch.setattr(layers.native_linear, "available", lambda: True)
-    for env, onednn_bf16, expected in (("auto", False, True), ("auto", True, False),
-                                       ("native", True, True), ("torch", False, False)):
-        monkeypatch.setenv("PAGEDSERVE_BF16_LINEAR", env)
-        monkeypatch.setattr(layers, "bf16_prepack_supported", lambda: onednn_bf16)
-        layers.native_bf16_linear.cache_clear()
-        assert layers.native_bf16_linear() is expected, (env, onednn_bf16)
-    monkeypatch.setenv("PAGEDSERVE_BF16_LINEAR", "amx")
-    layers.native_bf16_linear.cache_clear()
-    with pytest.raises(ValueError, match="PAGEDSERVE_BF16_LINEAR='amx'"):
-        layers.native_bf16_linear()
-    monkeypatch.delenv("PAGEDSERVE_BF16_LINEAR")
-    layers.native_bf16_linear.cache_clear()
 
 
 @needs_bf16_packing
