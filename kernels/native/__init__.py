@@ -23,8 +23,9 @@ import tempfile
 from pathlib import Path
 
 # One translation unit per KV cache format (compiled in parallel) plus the task pool, the fp32
-# and bf16 linears (panel GEMM), the int8 linear (--quantization int8), the fp32 elementwise ops (RMSNorm,
-# SiLU * up) and RoPE + KV store; the header holds the kernel bodies they instantiate.
+# and bf16 linears (one panel GEMM), the int8 linear (--quantization int8), the fp32 elementwise
+# ops (RMSNorm, SiLU * up) and RoPE + KV store; the headers hold the kernel bodies they
+# instantiate.
 _SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c",
             "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise_f32.c", "rope_store_f32.c")
 _HEADERS = ("paged_attention.h", "linear_panels.h")
