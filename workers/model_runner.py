@@ -2,6 +2,7 @@
 flat tensors (once per step, vectorised) and returns the logits of the rows that sample."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -18,9 +19,20 @@ from workers.kv_cache import allocate_kv_cache
 from workers.loader import ModelConfig, iter_weights
 from workers.models import model_class
 from workers.models.attention import AttentionMetadata
-from workers.models.layers import check_quantization, prepack_linears, quantize_linears
+from workers.models.layers import (check_quantization, prepack_linears, quantize_linears,
+                                   release_packed_weights)
 
 log = logging.getLogger(__name__)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim): the released weights are
+    mostly heap blocks of a few MB, which free() keeps in the process (SmolLM2 fp32 worker: RSS
+    1,461 MiB packed, 1,216 after the release, 1,054 after the trim)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):   # not glibc
+        pass
 
 
 @dataclass(slots=True)
@@ -89,6 +101,10 @@ class ModelRunner:
                      "that are not whole blocks of 32)", done, total)
         if os.environ.get("PAGEDSERVE_PREPACK", "1") != "0":
             prepack_linears(self.model)
+            freed = release_packed_weights(self.model)
+            if freed:
+                _trim_heap()
+                log.info("packed linears: freed %.1f MiB of plain weights", freed / 2**20)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
                                           self.device, tp_size, tp_rank)
         self.decode_graphs: DecodeGraphs | None = None

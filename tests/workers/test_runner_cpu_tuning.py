@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from workers.loader import load_config
 from workers.model_runner import ModelRunner, SeqStep
 from workers.models import layers
-from workers.models.layers import PackableLinear, bf16_prepack_supported, prepack_linears
+from workers.models.layers import (PackableLinear, bf16_prepack_supported, prepack_linears,
+                                   release_packed_weights)
 from workers.testing import make_tiny_llama
 
 needs_bf16_packing = pytest.mark.skipif(
@@ -155,3 +156,29 @@ def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatc
     assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
     assert prepack_linears(unpacked.model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
     assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())
+
+
+@pytest.mark.skipif(not layers.native_linear.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_runner_releases_the_plain_weights_the_panels_replace(tmp_path, monkeypatch, tie):
+    monkeypatch.setattr(layers, "native_fp32_linear", lambda: True)
+    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2, tie=tie)
+    config = load_config(model_dir)
+    items = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
+    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")
+    plain = ModelRunner(config, model_dir, torch.float32, "cpu", 16, 8)
+    monkeypatch.delenv("PAGEDSERVE_PREPACK")
+    packed = ModelRunner(config, model_dir, torch.float32, "cpu", 16, 8)
+    pairs = [(p, q) for p, q in zip(plain.model.modules(), packed.model.modules())
+             if isinstance(q, PackableLinear)]
+    released = [q for _, q in pairs if q.weight.is_meta]
+    # the per-layer projections; the LM head's weight has another holder (the embedding table,
+    # or the model's lm_head parameter) and stays
+    assert len(released) == 2 * 4 and not packed.model.lm_head_linear.weight.is_meta
+    assert all(p.weight.shape == q.weight.shape and p.weight.dtype == q.weight.dtype
+               and q.panels is not None for p, q in pairs)
+    torch.testing.assert_close(packed.execute(items).clone(), plain.execute(items).clone(),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="plain copy was released"):
+        released[0].matmul(torch.randn(2, released[0].weight.shape[1], dtype=torch.float64))
+    assert release_packed_weights(plain.model) == 0             # nothing packed, nothing freed
