@@ -1,14 +1,15 @@
-"""fp32 RMSNorm and SiLU-and-mul on CPU through the native kernels
-(kernels/native/elementwise_f32.c).
+"""fp32 and bf16 RMSNorm and SiLU-and-mul on CPU through the native kernels
+(kernels/native/elementwise.c).
 
 - `rms_norm(x, weight, eps)`: x [T, H] -> rmsnorm(x) * weight, the formula of F.rms_norm.
 - `fused_add_rms_norm(x, residual, weight, eps)`: residual += x in place, then returns
   rmsnorm(residual) * weight (vLLM's fused_add_rms_norm).
 - `silu_mul(gate_up)`: gate_up [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
 
-Inputs are 2-D fp32 CPU tensors whose rows are contiguous (stride 1 along the last axis; any
-row stride); `supports` says whether tensors qualify. Results match torch's to fp32 rounding
-(a few ulps), not bit for bit: the sums and the exp run in another order and polynomial.
+Inputs are 2-D CPU tensors of one dtype, fp32 or bf16, whose rows are contiguous (stride 1 along
+the last axis; any row stride); `supports` says whether tensors qualify. Results match torch's
+to rounding (a few fp32 ulps; bf16: computed in fp32 and rounded once, where torch rounds silu
+before the product), not bit for bit: the sums and the exp run in another order and polynomial.
 """
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ def available() -> bool:
     return native.library() is not None
 
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether every tensor is a 2-D fp32 CPU tensor with contiguous rows."""
+    """Whether the tensors are 2-D CPU tensors of one dtype, fp32 or bf16, with contiguous rows."""
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX:
+        return False
     for t in tensors:
-        if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
+        if t.dtype != dtype or not t.is_cpu or t.dim() != 2 or t.stride(1) != 1:
             return False
     return True
 
@@ -43,29 +50,29 @@ def _library(name: str):
 
 # The checks below build their messages only on failure: these run ~60 times per decode step,
 # and formatting shapes and dtypes eagerly cost ~10 us per call (measured on the 2-core EPYC).
-def _check_rows(name: str, arg: str, t: torch.Tensor) -> None:
-    if not supports(t):
-        raise ValueError(f"native_elementwise.{name}: {arg} must be a 2-D fp32 CPU tensor with "
-                         f"contiguous rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()} "
-                         f"on {t.device}")
+def _check_rows(name: str, arg: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    if not supports(t) or (dtype is not None and t.dtype != dtype):
+        raise ValueError(f"native_elementwise.{name}: {arg} must be a 2-D fp32 or bf16 CPU tensor "
+                         f"with contiguous rows{'' if dtype is None else f' of dtype {dtype}'}, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
 
 
 def _norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
           eps: float, threads: int | None) -> torch.Tensor:
     _check_rows(name, "x", x)
     rows, hidden = x.shape
-    if not (weight.dtype == torch.float32 and weight.is_cpu and weight.shape == (hidden,)
+    if not (weight.dtype == x.dtype and weight.is_cpu and weight.shape == (hidden,)
             and weight.is_contiguous()):
-        raise ValueError(f"native_elementwise.{name}: weight must be a contiguous fp32 CPU tensor "
-                         f"of shape ({hidden},), got {weight.dtype} {tuple(weight.shape)} on "
-                         f"{weight.device}")
+        raise ValueError(f"native_elementwise.{name}: weight must be a contiguous {x.dtype} CPU "
+                         f"tensor of shape ({hidden},), got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
     if residual is not None:
-        _check_rows(name, "residual", residual)
+        _check_rows(name, "residual", residual, x.dtype)
         if residual.shape != x.shape:
             raise ValueError(f"native_elementwise.{name}: residual shape {tuple(residual.shape)} "
                              f"!= x shape {tuple(x.shape)}")
-    out = torch.empty(rows, hidden, dtype=torch.float32)
-    status = _library(name).rms_norm_f32(
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    status = getattr(_library(name), f"rms_norm_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), _row_stride(x), None if residual is None else residual.data_ptr(),
         0 if residual is None else _row_stride(residual), weight.data_ptr(), eps, rows, hidden,
         out.data_ptr(), hidden, threads or torch.get_num_threads())
@@ -98,8 +105,8 @@ def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         raise ValueError(f"native_elementwise.silu_mul: gate_up needs an even, nonzero number of "
                          f"columns, got {width}")
     inter = width // 2
-    out = torch.empty(rows, inter, dtype=torch.float32)
-    status = _library("silu_mul").silu_mul_f32(
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    status = getattr(_library("silu_mul"), f"silu_mul_{_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), _row_stride(gate_up), rows, inter, out.data_ptr(), inter,
         threads or torch.get_num_threads())
     if status != 0:

@@ -23,12 +23,12 @@ import tempfile
 from pathlib import Path
 
 # One translation unit per KV cache format (compiled in parallel) plus the task pool, the fp32
-# and bf16 linears (one panel GEMM), the int8 linear (--quantization int8), the fp32 elementwise
-# ops (RMSNorm, SiLU * up) and RoPE + KV store; the headers hold the kernel bodies they
-# instantiate.
+# and bf16 linears (one panel GEMM), the int8 linear (--quantization int8), the fp32 and bf16
+# elementwise ops (RMSNorm, SiLU * up) and RoPE + KV store; the headers hold the kernel bodies
+# they instantiate.
 _SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c",
-            "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise_f32.c", "rope_store_f32.c")
-_HEADERS = ("paged_attention.h", "linear_panels.h")
+            "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise.c", "rope_store_f32.c")
+_HEADERS = ("paged_attention.h", "vec8.h", "linear_panels.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 
@@ -126,10 +126,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_q8.argtypes = [p, i64, i64, i64, p, p, i64, p, i64, i32]
     lib.quantize_rows_q8.restype = ctypes.c_int
     lib.quantize_rows_q8.argtypes = [p, i64, i64, i64, p, p]
-    lib.rms_norm_f32.restype = ctypes.c_int
-    lib.rms_norm_f32.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, i64, i32]
-    lib.silu_mul_f32.restype = ctypes.c_int
-    lib.silu_mul_f32.argtypes = [p, i64, i64, i64, p, i64, i32]
+    for suffix in ("f32", "bf16"):
+        rms, silu = getattr(lib, f"rms_norm_{suffix}"), getattr(lib, f"silu_mul_{suffix}")
+        rms.restype = silu.restype = ctypes.c_int
+        rms.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, i64, i32]
+        silu.argtypes = [p, i64, i64, i64, p, i64, i32]
     lib.rope_store_f32.restype = ctypes.c_int
     lib.rope_store_f32.argtypes = [p, i64, i64, i32, i32, i32, p, p, i64, p, p, p, i64, i32, i64,
                                    i64, i64, p, i32, i32]

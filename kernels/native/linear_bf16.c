@@ -7,39 +7,20 @@
  * rounds. */
 #include "linear_panels.h"
 
-/* Widen 8 bf16 to fp32: zero-extend to 32 bits (vpmovzxwd from memory), then shift into the top
- * half. No constant is needed: the 6-row kernel holds 12 accumulators, 2 weight vectors and a
- * broadcast of x, 15 of AVX2's 16 registers. */
-#ifdef __AVX2__
-#include <immintrin.h>
-static inline v8 widen8(const bf16_t *p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#else
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8i __attribute__((vector_size(32)));
-static inline v8 widen8(const bf16_t *p) {
-    return (v8)(__builtin_convertvector(*(const v8h *)p, v8i) << 16);
-}
-#endif
-
 #define LOAD_BF16(panel, k, w0, w1)                                                              \
     do {                                                                                         \
-        w0 = widen8((panel) + (k) * PANEL);                                                      \
-        w1 = widen8((panel) + (k) * PANEL + 8);                                                  \
+        w0 = load8_bf16((panel) + (k) * PANEL);                                                  \
+        w1 = load8_bf16((panel) + (k) * PANEL + 8);                                              \
     } while (0)
-
-static inline bf16_t bf16_round(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;   /* NaN, as torch writes it */
-    return (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* Not inlined: GCC would hoist this loop's vector constants over the whole task, and the
  * 6-row kernel's accumulators would spill (measured: half the speed). */
 __attribute__((noinline)) static void store_row_bf16(bf16_t *dst, const float *src, int64_t cols) {
+    if (cols == PANEL) {
+        store8_bf16(dst, load8_f32(src));
+        store8_bf16(dst + 8, load8_f32(src + 8));
+        return;
+    }
     for (int64_t c = 0; c < cols; c++) dst[c] = bf16_round(src[c]);
 }
 

@@ -12,16 +12,10 @@
 #ifndef LINEAR_PANELS_H
 #define LINEAR_PANELS_H
 
-#include <stdint.h>
-#include <string.h>
-
-#include "paged_attention.h"
+#include "vec8.h"
 
 #define PANEL 16
 #define MAX_ROWS 6
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 typedef struct {
     const float *x;

@@ -69,7 +69,7 @@ static inline float load_e4m3(const uint8_t *p, int64_t i) {
 }
 
 /* 2^f for |f| <= 0.5, degree-6 polynomial (relative error ~2e-7); f a float or a GCC vector
- * (elementwise_f32.c's exp uses it too). */
+ * (elementwise.c's exp uses it too). */
 #define EXP2_POLY(f)                                                                            \
     ((((((1.5403530393381606e-4f * (f) + 1.3333558146428443e-3f) * (f)                          \
          + 9.6181291076284772e-3f) * (f) + 5.5504108664821580e-2f) * (f)                       \

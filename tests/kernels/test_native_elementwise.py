@@ -1,6 +1,6 @@
-"""kernels/native_elementwise.py (kernels/native/elementwise_f32.c) against torch: RMSNorm with
-and without the fused residual add, SiLU-and-mul over its whole input range, bad input, and an
-SSE-only build."""
+"""kernels/native_elementwise.py (kernels/native/elementwise.c) against torch: RMSNorm with
+and without the fused residual add, SiLU-and-mul over its whole input range, the bf16 versions,
+bad input, and an SSE-only build."""
 from __future__ import annotations
 
 import os
@@ -101,14 +101,45 @@ def test_silu_over_its_whole_range():
     assert error[~normal].max() < 1.1e-36
 
 
+def _assert_bf16_matches(out, expected):
+    """Computed in fp32 and rounded once, like torch's bf16 ops: the same bf16 values but where
+    a sum in another order lands on the other side of a rounding boundary (one ulp)."""
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -7, atol=1e-6)
+    assert float((out != expected).float().mean()) < 0.01        # measured: 0 to 0.1%
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (7, 100), (64, 576), (300, 1536)])
+def test_bf16_rows_match_torch_bf16(rng, rows, width):
+    x = torch.randn(rows, width, generator=rng).to(torch.bfloat16)
+    residual = (torch.randn(rows, width, generator=rng) * 10).to(torch.bfloat16)
+    weight = torch.randn(width, generator=rng).to(torch.bfloat16)
+    _assert_bf16_matches(native_elementwise.rms_norm(x, weight, 1e-5),
+                         _torch_rms_norm(x, weight, 1e-5))
+    expected_residual = residual + x                 # torch's bf16 add: one rounding
+    out = native_elementwise.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    _assert_bf16_matches(out, _torch_rms_norm(expected_residual, weight, 1e-5))
+    gate_up = (torch.randn(rows, 2 * width, generator=rng) * 4).to(torch.bfloat16)
+    _assert_bf16_matches(native_elementwise.silu_mul(gate_up), _torch_silu_mul(gate_up))
+
+
+def test_bf16_silu_keeps_torch_specials():
+    gate = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, -0.0, 1.0, 3e38])
+    gate_up = torch.stack([gate, torch.full_like(gate, 2.0)], dim=1).to(torch.bfloat16)
+    out, expected = native_elementwise.silu_mul(gate_up), _torch_silu_mul(gate_up)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
 def test_zero_rows_and_bad_input(rng):
     weight = torch.ones(8)
     assert native_elementwise.rms_norm(torch.empty(0, 8), weight, 1e-5).shape == (0, 8)
     assert native_elementwise.silu_mul(torch.empty(0, 8)).shape == (0, 4)
     x = torch.randn(3, 8, generator=rng)
-    with pytest.raises(ValueError, match="x must be a 2-D fp32 CPU tensor"):
+    with pytest.raises(ValueError, match="x must be a 2-D fp32 or bf16 CPU tensor"):
         native_elementwise.rms_norm(x.double(), weight, 1e-5)
-    with pytest.raises(ValueError, match="x must be a 2-D fp32 CPU tensor"):
+    with pytest.raises(ValueError, match="x must be a 2-D fp32 or bf16 CPU tensor"):
         native_elementwise.rms_norm(x.t(), weight, 1e-5)          # columns, not rows
     with pytest.raises(ValueError, match=r"weight must be .* of shape \(8,\)"):
         native_elementwise.rms_norm(x, torch.ones(9), 1e-5)
@@ -116,18 +147,22 @@ def test_zero_rows_and_bad_input(rng):
         native_elementwise.rms_norm(x, weight.to(torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match=r"residual shape \(4, 8\) != x shape \(3, 8\)"):
         native_elementwise.fused_add_rms_norm(x, torch.zeros(4, 8), weight, 1e-5)
-    with pytest.raises(ValueError, match="residual must be a 2-D fp32 CPU tensor"):
+    with pytest.raises(ValueError, match="residual must be .* of dtype torch.float32, got "
+                                         "torch.bfloat16"):
         native_elementwise.fused_add_rms_norm(x, torch.zeros(3, 8, dtype=torch.bfloat16),
                                               weight, 1e-5)
-    with pytest.raises(ValueError, match="gate_up must be a 2-D fp32 CPU tensor"):
-        native_elementwise.silu_mul(x.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="gate_up must be a 2-D fp32 or bf16 CPU tensor"):
+        native_elementwise.silu_mul(x.to(torch.float16))
     with pytest.raises(ValueError, match="even, nonzero number of columns, got 7"):
         native_elementwise.silu_mul(torch.randn(3, 7, generator=rng))
 
 
 def test_supports():
     assert native_elementwise.supports(torch.zeros(2, 4), torch.zeros(1, 4))
+    assert native_elementwise.supports(torch.zeros(2, 4, dtype=torch.bfloat16))
     assert not native_elementwise.supports(torch.zeros(2, 4), torch.zeros(2, 4).double())
+    assert not native_elementwise.supports(torch.zeros(2, 4), torch.zeros(2, 4).bfloat16())
+    assert not native_elementwise.supports(torch.zeros(2, 4, dtype=torch.float16))
     assert not native_elementwise.supports(torch.zeros(4))
     assert not native_elementwise.supports(torch.zeros(4, 2).t())
 
@@ -144,6 +179,13 @@ x, residual, weight = torch.randn(7, 100), torch.randn(7, 100), torch.randn(100)
 expected = F.rms_norm(x + residual, (100,), weight, 1e-5)
 assert torch.allclose(native_elementwise.fused_add_rms_norm(x, residual, weight, 1e-5), expected,
                       rtol=2e-6, atol=1e-6)
+gate_up = (torch.randn(7, 200) * 4).to(torch.bfloat16)             # bf16: the portable stores
+out = native_elementwise.silu_mul(gate_up)
+assert torch.allclose(out.float(), (F.silu(gate_up[:, :100]) * gate_up[:, 100:]).float(),
+                      rtol=2 ** -7, atol=1e-6)
+b16 = [t.to(torch.bfloat16) for t in (x, residual, weight)]
+assert torch.allclose(native_elementwise.rms_norm(b16[0], b16[2], 1e-5).float(),
+                      F.rms_norm(b16[0], (100,), b16[2], 1e-5).float(), rtol=2 ** -7, atol=1e-6)
 print("ok")
 """
 

@@ -1,5 +1,5 @@
 """RMSNorm (with the residual add fused in) and silu_and_mul: which inputs take the native fp32
-kernels, the torch path's exact numbers elsewhere, and a model's logits either way."""
+and bf16 kernels, the torch path's exact numbers elsewhere, and a model's logits either way."""
 from __future__ import annotations
 
 import pytest
@@ -19,12 +19,12 @@ needs_native = pytest.mark.skipif(not native_elementwise.available(),
 
 @pytest.fixture
 def native_switch(monkeypatch):
-    """set(on): PAGEDSERVE_NATIVE_ELEMENTWISE for the next layers.native_fp32_elementwise()."""
+    """set(on): PAGEDSERVE_NATIVE_ELEMENTWISE for the next layers.native_cpu_elementwise()."""
     def set_switch(on: bool) -> None:
         monkeypatch.setenv("PAGEDSERVE_NATIVE_ELEMENTWISE", "1" if on else "0")
-        layers.native_fp32_elementwise.cache_clear()
+        layers.native_cpu_elementwise.cache_clear()
     yield set_switch
-    layers.native_fp32_elementwise.cache_clear()
+    layers.native_cpu_elementwise.cache_clear()
 
 
 @pytest.fixture
@@ -46,13 +46,13 @@ def _norm(dtype):
 
 def test_switch_reads_the_environment(native_switch, monkeypatch):
     native_switch(False)
-    assert layers.native_fp32_elementwise() is False
+    assert layers.native_cpu_elementwise() is False
     native_switch(True)
-    assert layers.native_fp32_elementwise() is native_elementwise.available()
+    assert layers.native_cpu_elementwise() is native_elementwise.available()
     monkeypatch.setenv("PAGEDSERVE_NATIVE_ELEMENTWISE", "yes")
-    layers.native_fp32_elementwise.cache_clear()
+    layers.native_cpu_elementwise.cache_clear()
     with pytest.raises(ValueError, match="PAGEDSERVE_NATIVE_ELEMENTWISE='yes'"):
-        layers.native_fp32_elementwise()
+        layers.native_cpu_elementwise()
 
 
 @needs_native
@@ -73,8 +73,8 @@ def test_fp32_rows_take_the_native_kernels(native_switch, native_calls):
 
 
 @pytest.mark.parametrize("dtype,switch_on,shape", [
-    (torch.bfloat16, True, (5, 64)), (torch.float32, False, (5, 64)),
-    (torch.float32, True, (2, 5, 64))])   # bf16, switched off, not 2-D rows: torch
+    (torch.float16, True, (5, 64)), (torch.float32, False, (5, 64)),
+    (torch.float32, True, (2, 5, 64))])   # fp16, switched off, not 2-D rows: torch
 def test_other_inputs_take_torch_with_its_exact_numbers(native_switch, native_calls, dtype,
                                                         switch_on, shape):
     native_switch(switch_on)
@@ -100,16 +100,35 @@ def test_strided_rows_fall_back_to_torch(native_switch, native_calls):
 
 
 @needs_native
+def test_bf16_rows_take_the_native_kernels_with_torch_bf16_numbers(native_switch, native_calls):
+    native_switch(True)
+    norm = _norm(torch.bfloat16)
+    x, residual = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    expected_residual = residual + x
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5),
+                               rtol=2 ** -7, atol=1e-6)
+    out, updated = norm(x, residual)
+    assert updated is residual and torch.equal(residual, expected_residual)
+    torch.testing.assert_close(out, F.rms_norm(expected_residual, (64,), norm.weight, 1e-5),
+                               rtol=2 ** -7, atol=1e-6)
+    gate_up = torch.randn(5, 128).bfloat16()
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :64]) * gate_up[:, 64:],
+                               rtol=2 ** -7, atol=1e-6)
+    assert native_calls == ["rms_norm", "fused_add_rms_norm", "silu_mul"]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])  # bf16: 0
 def test_model_logits_match_with_and_without_the_native_kernels(tmp_path, native_switch,
-                                                              native_calls):
+                                                              native_calls, dtype, tol):
     model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2)
     config = load_config(model_dir)
     items = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
     logits = {}
     for on in (False, True):
         native_switch(on)
-        logits[on] = ModelRunner(config, model_dir, torch.float32, "cpu", 16, 8).execute(
+        logits[on] = ModelRunner(config, model_dir, dtype, "cpu", 16, 8).execute(
             items).clone()
         # on: two norms per layer and the final one, one silu_mul per layer
         assert len(native_calls) == (2 * 2 + 1 + 2 if on else 0)
-    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)

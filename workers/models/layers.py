@@ -291,12 +291,13 @@ class RowParallelLinear(PackableLinear):
 
 
 @functools.cache
-def native_fp32_elementwise() -> bool:
-    """Whether fp32 CPU RMSNorm and SiLU-and-mul run on kernels/native/elementwise_f32.c, and
-    RoPE + the KV store on rope_store_f32.c (the library builds and PAGEDSERVE_NATIVE_ELEMENTWISE
-    is not 0); other inputs take torch. On the 2-core AVX2 EPYC, SmolLM2-135M fp32, batch 64 at
-    context 511: the step's time outside the linears and attention fell from 25-39 ms to 19-27
-    ms with the first two; RoPE + store took the step from 244.4 to 232.5 ms (medians)."""
+def native_cpu_elementwise() -> bool:
+    """Whether fp32 and bf16 CPU RMSNorm and SiLU-and-mul run on kernels/native/elementwise.c,
+    and fp32 RoPE + the KV store on rope_store_f32.c (the library builds and
+    PAGEDSERVE_NATIVE_ELEMENTWISE is not 0); other inputs take torch. On the 2-core AVX2 EPYC,
+    SmolLM2-135M fp32, batch 64 at context 511: the step's time outside the linears and attention
+    fell from 25-39 ms to 19-27 ms with the first two; RoPE + store took the step from 244.4 to
+    232.5 ms (medians)."""
     choice = os.environ.get("PAGEDSERVE_NATIVE_ELEMENTWISE", "1")
     if choice not in ("0", "1"):
         raise ValueError(f"PAGEDSERVE_NATIVE_ELEMENTWISE={choice!r}: expected 0 or 1")
@@ -304,7 +305,7 @@ def native_fp32_elementwise() -> bool:
 
 
 def _native_rows(*tensors: torch.Tensor) -> bool:
-    return native_fp32_elementwise() and native_elementwise.supports(*tensors)
+    return native_cpu_elementwise() and native_elementwise.supports(*tensors)
 
 
 class RMSNorm(nn.Module):
@@ -318,7 +319,7 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """rmsnorm(x) * weight; with `residual`, first residual += x in place and return
         (rmsnorm(residual) * weight, residual), vLLM's fused add + norm."""
-        native = self.weight.dtype == torch.float32 and _native_rows(
+        native = self.weight.dtype == x.dtype and _native_rows(
             *((x,) if residual is None else (x, residual)))
         if residual is None:
             if native:

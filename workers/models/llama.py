@@ -19,7 +19,7 @@ from workers.loader import ModelConfig
 from workers.models.attention import AttentionMetadata, attend, paged_attention
 from workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
                                    RMSNorm, RotaryEmbedding, RowParallelLinear, even_split,
-                                   native_fp32_elementwise, partition_heads, silu_and_mul)
+                                   native_cpu_elementwise, partition_heads, silu_and_mul)
 
 
 class LlamaAttention(nn.Module):
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if native_fp32_elementwise() and native_rope_store.supports(qkv, k_cache):
+        if native_cpu_elementwise() and native_rope_store.supports(qkv, k_cache):
             # one native call rotates q and k and stores k and v (fp32 CPU, fp32/bf16 cache)
             q = native_rope_store.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                              nq, nkv)
