@@ -1,10 +1,12 @@
-"""RoPE + KV cache store of one layer in one native call (kernels/native/rope_store_f32.c).
+"""RoPE + KV cache store of one layer in one native call (kernels/native/rope_store.c).
 
 `rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)` takes the
-fused q|k|v projection [T, (Hq + 2 Hkv) * D] (fp32, CPU), returns the rotated queries [T, Hq, D]
-and stores the rotated keys and the values into their slots (slot -1: not stored), like
-`RotaryEmbedding.apply` followed by `kernels.store_kv`. fp32 and bf16 caches; `supports` says
-when it applies, and the model falls back to the torch ops otherwise.
+fused q|k|v projection [T, (Hq + 2 Hkv) * D] (fp32 or bf16, CPU), returns the rotated queries
+[T, Hq, D] in its dtype and stores the rotated keys and the values into their slots (slot -1: not
+stored), like `RotaryEmbedding.apply` followed by `kernels.store_kv`. fp32 and bf16 caches; cos
+and sin in qkv's dtype. The rotation runs in fp32 and rounds once (torch's bf16 ops round twice:
+an ulp apart at most). `supports` says when it applies, and the model falls back to the torch ops
+otherwise.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ _FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 2
+    return (qkv.device.type == "cpu" and qkv.dtype in _FORMATS and qkv.dim() == 2
             and qkv.stride(1) == 1 and k_cache.dtype in _FORMATS and k_cache.device.type == "cpu"
             and native.library() is not None)
 
@@ -25,13 +27,14 @@ def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
                num_kv_heads: int, threads: int | None = None) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) * D] fp32; cos/sin [T, D/2] (or [T, 1, D/2]); layer caches
-    [num_blocks, block_size, Hkv, D] (fp32 or bf16); slot_mapping [T] int64 -> q [T, Hq, D]."""
+    """qkv [T, (Hq + 2 Hkv) * D] fp32 or bf16; cos/sin [T, D/2] (or [T, 1, D/2]) of its dtype;
+    layer caches [num_blocks, block_size, Hkv, D] (fp32 or bf16); slot_mapping [T] int64 ->
+    q [T, Hq, D] of qkv's dtype."""
     # Checks as plain ifs: the messages are formatted only on failure (this runs per layer).
     if not supports(qkv, k_cache):
         raise ValueError(
-            f"rope_store: expected a 2-D fp32 CPU qkv with unit last stride and an fp32/bf16 CPU "
-            f"cache, got qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}, cache "
+            f"rope_store: expected a 2-D fp32/bf16 CPU qkv with unit last stride and an fp32/bf16 "
+            f"CPU cache, got qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}, cache "
             f"{k_cache.dtype} on {k_cache.device}"
             + ("" if native.library() is not None else f" ({native.unavailable_reason()})"))
     check_cache_pair("rope_store", k_cache, v_cache)
@@ -43,10 +46,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             f"heads of {head_dim} for a cache of {cache_heads} kv heads")
     cos, sin = cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)
     if not (cos.shape == sin.shape == (num_tokens, head_dim // 2) and cos.dtype == sin.dtype
-            == torch.float32 and cos.stride(1) == 1 and sin.stride() == cos.stride()):
+            == qkv.dtype and cos.stride(1) == 1 and sin.stride() == cos.stride()):
         raise ValueError(
-            f"rope_store: cos/sin must be fp32 [T={num_tokens}, {head_dim // 2}] rows, got "
-            f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+            f"rope_store: cos/sin must be {qkv.dtype} [T={num_tokens}, {head_dim // 2}] rows, "
+            f"got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
     check_int_tensor("rope_store", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(
@@ -55,9 +58,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
         raise ValueError(
             f"rope_store: k_cache and v_cache need equal strides, got {k_cache.stride()} "
             f"and {v_cache.stride()}")
-    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.float32)
-    status = native.library().rope_store_f32(
-        qkv.data_ptr(), num_tokens, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
+    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype)
+    status = native.library().rope_store(
+        qkv.data_ptr(), _FORMATS[qkv.dtype], num_tokens, qkv.stride(0), num_q_heads,
+        num_kv_heads, head_dim,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), num_blocks * block_size, block_size, k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), slot_mapping.contiguous().data_ptr(),

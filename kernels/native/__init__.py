@@ -27,7 +27,7 @@ from pathlib import Path
 # elementwise ops (RMSNorm, SiLU * up) and RoPE + KV store; the headers hold the kernel bodies
 # they instantiate.
 _SOURCES = ("decode_f32.c", "decode_bf16.c", "decode_e4m3.c", "decode_e5m2.c", "task_pool.c",
-            "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise.c", "rope_store_f32.c")
+            "linear_f32.c", "linear_bf16.c", "linear_q8.c", "elementwise.c", "rope_store.c")
 _HEADERS = ("paged_attention.h", "vec8.h", "linear_panels.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
           "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
@@ -131,9 +131,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         rms.restype = silu.restype = ctypes.c_int
         rms.argtypes = [p, i64, p, i64, p, f32, i64, i64, p, i64, i32]
         silu.argtypes = [p, i64, i64, i64, p, i64, i32]
-    lib.rope_store_f32.restype = ctypes.c_int
-    lib.rope_store_f32.argtypes = [p, i64, i64, i32, i32, i32, p, p, i64, p, p, p, i64, i32, i64,
-                                   i64, i64, p, i32, i32]
+    lib.rope_store.restype = ctypes.c_int
+    lib.rope_store.argtypes = [p, i32, i64, i64, i32, i32, i32, p, p, i64, p, p, p, i64, i32, i64,
+                               i64, i64, p, i32, i32]
 
 
 def library() -> ctypes.CDLL | None:

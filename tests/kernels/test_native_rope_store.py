@@ -1,6 +1,6 @@
-"""kernels/native_rope_store.py (kernels/native/rope_store_f32.c) against the torch path it
-replaces: RotaryEmbedding.apply on q and k, then kernels.store_kv, for fp32 and bf16 caches,
-skipped slots, threads, strided qkv rows, and bad input that must change nothing."""
+"""kernels/native_rope_store.py (kernels/native/rope_store.c) against the torch path it
+replaces: RotaryEmbedding.apply on q and k, then kernels.store_kv, for fp32 and bf16 models and
+caches, skipped slots, threads, strided qkv rows, and bad input that must change nothing."""
 from __future__ import annotations
 
 import pytest
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 
 
 def _inputs(rng, tokens, nq, nkv, d, num_blocks=12, block_size=16, cache_dtype=torch.float32,
-            row_pad=0):
+            row_pad=0, dtype=torch.float32):
     width = (nq + 2 * nkv) * d
-    qkv = torch.randn(tokens, width + row_pad, generator=rng)[:, :width]
-    rope = RotaryEmbedding(d, 4096, 10000.0, None, torch.float32, "cpu")
+    qkv = torch.randn(tokens, width + row_pad, generator=rng).to(dtype)[:, :width]
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, dtype, "cpu")
     positions = torch.randint(0, 4096, (tokens,), generator=rng)
     cos, sin = rope.cos_sin(positions)
     slots = torch.randperm(num_blocks * block_size, generator=rng)[:tokens]
@@ -52,6 +52,29 @@ def test_matches_rope_then_store_kv(rng, cache_dtype, tokens, nq, nkv, d, thread
         assert (cache.float() - expected_cache.float()).abs().max() <= 2 ** -7 * (
             expected_cache.float().abs().max())
         assert (cache != expected_cache).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("tokens,nq,nkv,d", [(1, 9, 3, 64), (64, 9, 3, 64), (300, 8, 1, 40)])
+def test_bf16_model_rounds_the_exact_rotation_once(rng, tokens, nq, nkv, d):
+    # bf16 products are exact in fp32, so rotating in fp32 and rounding once gives the exact
+    # rotation's rounding; torch's bf16 ops round twice (mul, then addcmul): an ulp off at times
+    # (a bf16 model keeps a bf16 cache: an fp32 cache under bf16 queries is refused at start)
+    qkv, cos, sin, slots, cache = _inputs(rng, tokens, nq, nkv, d, num_blocks=24,
+                                          cache_dtype=torch.bfloat16, row_pad=3,
+                                          dtype=torch.bfloat16)
+    slots[::5] = -1
+    exact_cache = cache.double()
+    exact_q = _torch_path(qkv.double(), cos.double(), sin.double(), exact_cache, slots, nq,
+                          nkv, d)
+    torch_cache = cache.clone()
+    torch_q = _torch_path(qkv, cos, sin, torch_cache, slots, nq, nkv, d)
+    q = native_rope_store.rope_store(qkv, cos, sin, cache[0], cache[1], slots, nq, nkv)
+    assert q.shape == (tokens, nq, d) and q.dtype == torch.bfloat16
+    # fp32 sums of two exact products, rounded to bf16: a double rounding can flip a tie
+    assert float((q != exact_q.to(torch.bfloat16)).float().mean()) < 0.001
+    assert float((cache != exact_cache.to(torch.bfloat16)).float().mean()) < 0.001
+    for out, reference in ((q, torch_q), (cache, torch_cache)):
+        torch.testing.assert_close(out.float(), reference.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
 def test_bf16_rounds_to_nearest_even_and_keeps_nan_and_inf():
@@ -91,6 +114,8 @@ def test_bad_input_raises_and_writes_nothing(rng):
         native_rope_store.rope_store(qkv, cos[:4], sin[:4], cache[0], cache[1], slots, 9, 3)
     with pytest.raises(ValueError, match="fp32"):
         native_rope_store.rope_store(qkv.double(), cos, sin, cache[0], cache[1], slots, 9, 3)
+    with pytest.raises(ValueError, match="cos/sin must be torch.bfloat16"):   # fp32 tables
+        native_rope_store.rope_store(qkv.bfloat16(), cos, sin, cache[0], cache[1], slots, 9, 3)
     with pytest.raises(ValueError, match="v_cache"):
         native_rope_store.rope_store(qkv, cos, sin, cache[0], cache[1, :6], slots, 9, 3)
     assert torch.equal(cache, before)

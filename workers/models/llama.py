@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         if native_cpu_elementwise() and native_rope_store.supports(qkv, k_cache):
-            # one native call rotates q and k and stores k and v (fp32 CPU, fp32/bf16 cache)
+            # one native call rotates q and k and stores k and v (fp32/bf16 CPU, fp32/bf16 cache)
             q = native_rope_store.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                              nq, nkv)
             return self.o_proj(attend(q, k_cache, v_cache, meta, self.scale).reshape(t, nq * d))
