@@ -140,35 +140,36 @@ def test_native_bf16_panels_keep_f_linear_to_a_bf16_rounding(monkeypatch, rows):
     assert float((out != expected).float().mean()) < 0.01      # measured 0 to 0.013%
 
 
+ITEMS = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
+
+
+def _unpacked_and_packed_runners(tmp_path, monkeypatch, dtype, tie=True):
+    """Two runners of one tiny model: PAGEDSERVE_PREPACK=0, and the default."""
+    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2, tie=tie)
+    config = load_config(model_dir)
+    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")
+    unpacked = ModelRunner(config, model_dir, dtype, "cpu", 16, 8)
+    monkeypatch.delenv("PAGEDSERVE_PREPACK")
+    return unpacked, ModelRunner(config, model_dir, dtype, "cpu", 16, 8)
+
+
 @needs_bf16_packing
 def test_runner_packs_every_projection_and_keeps_its_logits(tmp_path, monkeypatch):
-    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2)
-    config = load_config(model_dir)
-    items = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
-    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")
-    unpacked = ModelRunner(config, model_dir, torch.bfloat16, "cpu", 16, 8)
-    monkeypatch.delenv("PAGEDSERVE_PREPACK")
-    packed = ModelRunner(config, model_dir, torch.bfloat16, "cpu", 16, 8)
+    unpacked, packed = _unpacked_and_packed_runners(tmp_path, monkeypatch, torch.bfloat16)
     assert all(m.packed is not None for m in packed.model.modules()
                if isinstance(m, PackableLinear))
     assert all(m.packed is None for m in unpacked.model.modules()
                if isinstance(m, PackableLinear))
-    assert torch.equal(packed.execute(items).clone(), unpacked.execute(items).clone())
+    assert torch.equal(packed.execute(ITEMS).clone(), unpacked.execute(ITEMS).clone())
     assert prepack_linears(unpacked.model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
-    assert torch.equal(unpacked.execute(items).clone(), packed.execute(items).clone())
+    assert torch.equal(unpacked.execute(ITEMS).clone(), packed.execute(ITEMS).clone())
 
 
 @pytest.mark.skipif(not layers.native_linear.available(), reason="native kernels unavailable")
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_runner_releases_the_plain_weights_the_panels_replace(tmp_path, monkeypatch, tie):
     monkeypatch.setattr(layers, "native_fp32_linear", lambda: True)
-    model_dir = make_tiny_llama(tmp_path / "tiny", num_layers=2, tie=tie)
-    config = load_config(model_dir)
-    items = [SeqStep(list(range(3, 20)), 0, [1, 0], True), SeqStep([5, 9], 0, [2], True)]
-    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")
-    plain = ModelRunner(config, model_dir, torch.float32, "cpu", 16, 8)
-    monkeypatch.delenv("PAGEDSERVE_PREPACK")
-    packed = ModelRunner(config, model_dir, torch.float32, "cpu", 16, 8)
+    plain, packed = _unpacked_and_packed_runners(tmp_path, monkeypatch, torch.float32, tie)
     pairs = [(p, q) for p, q in zip(plain.model.modules(), packed.model.modules())
              if isinstance(q, PackableLinear)]
     released = [q for _, q in pairs if q.weight.is_meta]
@@ -177,7 +178,7 @@ def test_runner_releases_the_plain_weights_the_panels_replace(tmp_path, monkeypa
     assert len(released) == 2 * 4 and not packed.model.lm_head_linear.weight.is_meta
     assert all(p.weight.shape == q.weight.shape and p.weight.dtype == q.weight.dtype
                and q.panels is not None for p, q in pairs)
-    torch.testing.assert_close(packed.execute(items).clone(), plain.execute(items).clone(),
+    torch.testing.assert_close(packed.execute(ITEMS).clone(), plain.execute(ITEMS).clone(),
                                rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="plain copy was released"):
         released[0].matmul(torch.randn(2, released[0].weight.shape[1], dtype=torch.float64))
