@@ -24,23 +24,12 @@ static inline v8 select8(v8i mask, v8 a, v8 b) {   /* mask lanes are all ones or
     return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
-/* Element access by type: each kernel body is written once, and `bf` is a constant in each
- * always-inlined instantiation (0: fp32, 1: bf16), so the branches fold away. */
-#define INLINE static inline __attribute__((always_inline))
+/* 8 lanes by type (ld1 / st1 / row_of for single elements: vec8.h) */
 INLINE v8 ld8(const void *p, int64_t i, int bf) {
     return bf ? load8_bf16((const bf16_t *)p + i) : load8_f32((const float *)p + i);
 }
 INLINE void st8(void *p, int64_t i, v8 v, int bf) {
     if (bf) store8_bf16((bf16_t *)p + i, v); else store8_f32((float *)p + i, v);
-}
-INLINE float ld1(const void *p, int64_t i, int bf) {
-    return bf ? load_bf16((const bf16_t *)p, i) : ((const float *)p)[i];
-}
-INLINE void st1(void *p, int64_t i, float v, int bf) {
-    if (bf) ((bf16_t *)p)[i] = bf16_round(v); else ((float *)p)[i] = v;
-}
-INLINE const void *row_of(const void *base, int64_t row, int64_t ld, int bf) {
-    return (const char *)base + row * ld * (bf ? 2 : 4);
 }
 
 /* Tasks of at least ROWS_PER_TASK_MIN rows, about 4 per thread; 1 thread for small inputs. */

@@ -9,10 +9,7 @@
  * A bf16 model's qkv, cos/sin and q are bf16: rotated in fp32, rounded once (torch's bf16 ops
  * round the two products' sum twice, so results can differ from them by an ulp).
  */
-#include <stdint.h>
-#include <string.h>
-
-#include "paged_attention.h"
+#include "vec8.h"
 
 typedef struct {
     const void *qkv, *cos, *sin;   /* fp32, or bf16 when bf (q_out too) */
@@ -23,28 +20,11 @@ typedef struct {
     int nq, nkv, D, block_size, fmt;
 } rope_store_job;
 
-#define INLINE static inline __attribute__((always_inline))
-
-static inline uint16_t to_bf16(float x) {
-    union { float f; uint32_t u; } v = {x};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-
-/* element i of an fp32 (bf = 0) or bf16 (bf = 1) row */
-INLINE float ld(const void *p, int64_t i, int bf) {
-    return bf ? load_bf16((const bf16_t *)p, i) : ((const float *)p)[i];
-}
-INLINE const void *at(const void *p, int64_t i, int bf) {
-    return (const char *)p + i * (bf ? 2 : 4);
-}
-
 /* dst[0..D) = rope(x), fp32 */
 INLINE void rotate(const void *x, const void *c, const void *s, int half, float *dst, int bf) {
     for (int i = 0; i < half; i++) {
-        const float x1 = ld(x, i, bf), x2 = ld(x, i + half, bf);
-        const float ci = ld(c, i, bf), si = ld(s, i, bf);
+        const float x1 = ld1(x, i, bf), x2 = ld1(x, i + half, bf);
+        const float ci = ld1(c, i, bf), si = ld1(s, i, bf);
         dst[i] = x1 * ci - x2 * si;
         dst[i + half] = x2 * ci + x1 * si;
     }
@@ -55,8 +35,8 @@ static inline void store_row(const float *src, int D, int fmt, void *dst) {
     if (fmt == 0) {
         memcpy(dst, src, sizeof(float) * D);
     } else {
-        uint16_t *out = (uint16_t *)dst;
-        for (int i = 0; i < D; i++) out[i] = to_bf16(src[i]);
+        bf16_t *out = (bf16_t *)dst;
+        for (int i = 0; i < D; i++) out[i] = bf16_round(src[i]);
     }
 }
 
@@ -66,11 +46,12 @@ INLINE void rope_store_rows(rope_store_job *job, int64_t task, int bf) {
     const int64_t last = first + job->tokens_per_task < job->T ? first + job->tokens_per_task : job->T;
     float rot[MAX_HEAD_DIM], val[MAX_HEAD_DIM];
     for (int64_t t = first; t < last; t++) {
-        const void *row = at(job->qkv, t * job->ldqkv, bf);
-        const void *c = at(job->cos, t * job->ldcs, bf), *s = at(job->sin, t * job->ldcs, bf);
+        const void *row = row_of(job->qkv, t, job->ldqkv, bf);
+        const void *c = row_of(job->cos, t, job->ldcs, bf);
+        const void *s = row_of(job->sin, t, job->ldcs, bf);
         for (int h = 0; h < job->nq; h++) {
-            rotate(at(row, (int64_t)h * D, bf), c, s, half, rot, bf);
-            store_row(rot, D, bf, (void *)at(job->q_out, (t * job->nq + h) * D, bf));
+            rotate(row_of(row, h, D, bf), c, s, half, rot, bf);
+            store_row(rot, D, bf, (void *)row_of(job->q_out, t * job->nq + h, D, bf));
         }
         const int64_t slot = job->slots[t];
         if (slot < 0) continue;
@@ -78,13 +59,13 @@ INLINE void rope_store_rows(rope_store_job *job, int64_t task, int bf) {
                              + (slot % job->block_size) * job->stride_tok;
         for (int h = 0; h < job->nkv; h++) {
             const int64_t dst = (base + h * job->stride_head) * esize;
-            rotate(at(row, (int64_t)(job->nq + h) * D, bf), c, s, half, rot, bf);
+            rotate(row_of(row, job->nq + h, D, bf), c, s, half, rot, bf);
             store_row(rot, D, job->fmt, job->k_cache + dst);
-            const void *v = at(row, (int64_t)(job->nq + job->nkv + h) * D, bf);
+            const void *v = row_of(row, job->nq + job->nkv + h, D, bf);
             if (bf == job->fmt) {
                 memcpy(job->v_cache + dst, v, (size_t)D * esize);
             } else {
-                for (int i = 0; i < D; i++) val[i] = ld(v, i, bf);
+                for (int i = 0; i < D; i++) val[i] = ld1(v, i, bf);
                 store_row(val, D, job->fmt, job->v_cache + dst);
             }
         }

@@ -64,4 +64,18 @@ static inline void store8_bf16(bf16_t *p, v8 v) {
 #endif
 }
 
+/* Element access by type, for kernels written once for both: `bf` is a constant in each
+ * always-inlined instantiation (0: fp32, 1: bf16), so the branches fold away. */
+#define INLINE static inline __attribute__((always_inline))
+INLINE float ld1(const void *p, int64_t i, int bf) {
+    return bf ? load_bf16((const bf16_t *)p, i) : ((const float *)p)[i];
+}
+INLINE void st1(void *p, int64_t i, float v, int bf) {
+    if (bf) ((bf16_t *)p)[i] = bf16_round(v); else ((float *)p)[i] = v;
+}
+/* the start of row `row` of a matrix at base whose rows are `ld` elements apart */
+INLINE const void *row_of(const void *base, int64_t row, int64_t ld, int bf) {
+    return (const char *)base + row * ld * (bf ? 2 : 4);
+}
+
 #endif

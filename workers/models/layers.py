@@ -222,9 +222,10 @@ def release_packed_weights(model: nn.Module) -> int:
     holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     freed = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, PackableLinear) or weight is None or weight.is_meta \
-                or (module.panels is None and module.q8 is None) or holders[id(weight)] != 1:
+        if not isinstance(module, PackableLinear) or (module.panels is None and module.q8 is None):
+            continue
+        weight = module.weight
+        if weight.is_meta or holders[id(weight)] != 1:
             continue
         freed += weight.numel() * weight.element_size()
         module.weight = _param(tuple(weight.shape), weight.dtype, "meta")
