@@ -3,7 +3,7 @@
 `rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)` takes the
 fused q|k|v projection [T, (Hq + 2 Hkv) * D] (fp32 or bf16, CPU), returns the rotated queries
 [T, Hq, D] in its dtype and stores the rotated keys and the values into their slots (slot -1: not
-stored), like `RotaryEmbedding.apply` followed by `kernels.store_kv`. fp32 and bf16 caches; cos
+stored), like `RotaryEmbedding.apply` followed by `pagedserve.kernels.store_kv`. fp32 and bf16 caches; cos
 and sin in qkv's dtype. The rotation runs in fp32 and rounds once (torch's bf16 ops round twice:
 an ulp apart at most). `supports` says when it applies, and the model falls back to the torch ops
 otherwise.

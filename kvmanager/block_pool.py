@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvmanager.free_queue import FreeBlockQueue
-from kvmanager.hashing import BlockHash
+from pagedserve.kvmanager.free_queue import FreeBlockQueue
+from pagedserve.kvmanager.hashing import BlockHash
 
 
 class NoFreeBlocksError(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 if TYPE_CHECKING:
-    from kvmanager.block_pool import Block
+    from pagedserve.kvmanager.block_pool import Block
 
 
 class _Sentinel:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from kvmanager import prefix_cache
-from kvmanager.block_pool import BlockPool, NoFreeBlocksError
-from kvmanager.hashing import BlockHash
-from kvmanager.shm_tables import SharedBlockTables
-from kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
+from pagedserve.kvmanager import prefix_cache
+from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
+from pagedserve.kvmanager.hashing import BlockHash
+from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
 
 
 @dataclass(frozen=True, slots=True)

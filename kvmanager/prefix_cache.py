@@ -11,12 +11,12 @@ import struct
 from hashlib import sha256
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from kvmanager.block_pool import Block
-from kvmanager.hashing import (BlockHash, hash_block_tokens, hash_full_blocks, salt_key,
+from pagedserve.kvmanager.block_pool import Block
+from pagedserve.kvmanager.hashing import (BlockHash, hash_block_tokens, hash_full_blocks, salt_key,
                                token_packer)
 
 if TYPE_CHECKING:
-    from kvmanager.manager import KVCacheManager, _SeqBlocks
+    from pagedserve.kvmanager.manager import KVCacheManager, _SeqBlocks
 
 
 def cached_prefix(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str | None

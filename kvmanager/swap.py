@@ -8,7 +8,7 @@ one copy, and swapping a block back whose old copy is intact costs no copy at al
 
 from __future__ import annotations
 
-from kvmanager.block_pool import BlockPool, NoFreeBlocksError
+from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
 
 
 def link_pools(gpu_pool: BlockPool, cpu_pool: BlockPool) -> None:

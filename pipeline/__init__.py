@@ -1,15 +1,15 @@
 """pagedserve's process pipeline and public Python API.
 
-`from pipeline import LLM, AsyncLLM, SamplingParams, EngineClient, AsyncEngineClient`
+`from pagedserve.pipeline import LLM, AsyncLLM, SamplingParams, EngineClient, AsyncEngineClient`
 """
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineClient", "AsyncEngineClient",
            "RequestOutput", "CompletionOutput", "RequestError"]
 
-_LAZY = {"LLM": "pipeline.llm", "AsyncLLM": "pipeline.llm", "EngineClient": "pipeline.client",
-         "AsyncEngineClient": "pipeline.client", "RequestOutput": "pipeline.outputs",
-         "CompletionOutput": "pipeline.outputs", "RequestError": "pipeline.outputs"}
+_LAZY = {"LLM": "pagedserve.pipeline.llm", "AsyncLLM": "pagedserve.pipeline.llm", "EngineClient": "pagedserve.pipeline.client",
+         "AsyncEngineClient": "pagedserve.pipeline.client", "RequestOutput": "pagedserve.pipeline.outputs",
+         "CompletionOutput": "pagedserve.pipeline.outputs", "RequestError": "pagedserve.pipeline.outputs"}
 
 
 def __getattr__(name: str):

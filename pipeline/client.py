@@ -19,9 +19,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pipeline import ipc, messages
-from pipeline.outputs import RequestError, RequestOutput, CompletionOutput
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.outputs import RequestError, RequestOutput, CompletionOutput
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 _DONE = object()
 HEARTBEAT_S = 1.0        # the scheduler aborts the requests of a client silent for 5 s

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipeline.detokenize import IncrementalDetokenizer, special_token_ids
-from pipeline.sampling_params import SamplingParams
-from pipeline.stop_strings import StopStringMatcher
+from pagedserve.pipeline.detokenize import IncrementalDetokenizer, special_token_ids
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.stop_strings import StopStringMatcher
 
 
 @dataclass(slots=True)

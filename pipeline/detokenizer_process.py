@@ -1,4 +1,4 @@
-"""Detokenizer role: `python -m pipeline.detokenizer_process --config-json ...`.
+"""Detokenizer role: `python -m pagedserve.pipeline.detokenizer_process --config-json ...`.
 
 Thin glue: TokenBatch from the scheduler -> DetokenizerCore -> TextDelta batches to the client
 that owns each request (ROUTER, by identity); a stop string found -> StopMatched to the
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.detokenizer_core import DetokenizerCore
-from pipeline.faults import FaultInjector
-from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.detokenizer_core import DetokenizerCore
+from pagedserve.pipeline.faults import FaultInjector
+from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 
 log = setup_logging("detokenizer")
 DELIVERY_GRACE_S = 5.0  # a client may be reconnecting (after our restart): keep its deltas
@@ -175,7 +175,7 @@ def main() -> int:
     ns = role_arg_parser("pagedserve detokenizer").parse_args()
     cfg = load_config(ns)
     die_with_parent()
-    from workers.loader import load_tokenizer
+    from pagedserve.workers.loader import load_tokenizer
     tokenizer = load_tokenizer(cfg.model.model)
     faults = FaultInjector.from_env("detokenizer")
 

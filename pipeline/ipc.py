@@ -1,6 +1,6 @@
 """ZeroMQ framing: every message is [type tag, msgpack payload] (after any ROUTER identity).
 
-The tag is the message class name from `pipeline.messages`; the payload is standard msgpack
+The tag is the message class name from `pagedserve.pipeline.messages`; the payload is standard msgpack
 (msgspec's encoder), so any language's msgpack library can read the wire. Never pickle.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pipeline import messages
+from pagedserve.pipeline import messages
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS: dict[bytes, msgspec.msgpack.Decoder] = {

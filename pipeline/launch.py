@@ -1,4 +1,4 @@
-"""Launcher/supervisor: `python -m pipeline.launch [vLLM-style flags]`.
+"""Launcher/supervisor: `python -m pagedserve.pipeline.launch [vLLM-style flags]`.
 
 Starts every role as its own OS process (`python -m ...`, never fork), waits until each reports
 ready, and watches them: a child's pidfd for its death, heartbeats for a hung scheduler or
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.config import EngineConfig, build_arg_parser, config_from_args
-from pipeline.faults import INCARNATION_ENV
-from pipeline.procutil import setup_logging
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.config import EngineConfig, build_arg_parser, config_from_args
+from pagedserve.pipeline.faults import INCARNATION_ENV
+from pagedserve.pipeline.procutil import setup_logging
 
 log = setup_logging("launcher")
 
@@ -87,12 +87,12 @@ class Supervisor:
     def __post_init__(self) -> None:
         cfg = self.config
         cfg.ipc.dist_init_addr = cfg.ipc.dist_init_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.children = [Child("scheduler", 0, "pipeline.scheduler_process")]
-        self.children += [Child("worker", r, "workers.worker_process")
+        self.children = [Child("scheduler", 0, "pagedserve.pipeline.scheduler_process")]
+        self.children += [Child("worker", r, "pagedserve.workers.worker_process")
                           for r in range(cfg.parallel.tensor_parallel_size)]
-        self.children.append(Child("detokenizer", 0, "pipeline.detokenizer_process"))
+        self.children.append(Child("detokenizer", 0, "pagedserve.pipeline.detokenizer_process"))
         if cfg.server.http:
-            self.children.append(Child("ingress", 0, "pipeline.ingress"))
+            self.children.append(Child("ingress", 0, "pagedserve.pipeline.ingress"))
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.ctx = zmq.Context()
         self.control = ipc.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
@@ -328,7 +328,7 @@ class Supervisor:
 
 def resolve_model_once(config: EngineConfig) -> None:
     """Fetch/convert the model in the launcher so the children only read the cache."""
-    from workers.loader import ModelLoadError, resolve_model
+    from pagedserve.workers.loader import ModelLoadError, resolve_model
     try:
         config.model.model = str(resolve_model(config.model.model))
     except ModelLoadError as exc:
@@ -343,12 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(the offline API and tests use it)")
     ns = parser.parse_args(argv)
     if ns.die_with_parent:
-        from pipeline.procutil import die_with_parent
+        from pagedserve.pipeline.procutil import die_with_parent
         die_with_parent(signal.SIGTERM)
     del ns.die_with_parent
     try:
         config = config_from_args(ns)
-        from pipeline.faults import ENV, parse
+        from pagedserve.pipeline.faults import ENV, parse
         parse(os.environ.get(ENV, ""))  # a bad fault spec fails here, once, clearly
     except (ValueError, TypeError) as exc:
         log.error("bad configuration: %s", exc)

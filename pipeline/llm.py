@@ -17,10 +17,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pipeline.client import AsyncEngineClient, EngineClient
-from pipeline.config import EngineConfig
-from pipeline.outputs import CompletionOutput, RequestOutput
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.client import AsyncEngineClient, EngineClient
+from pagedserve.pipeline.config import EngineConfig
+from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 START_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_START_TIMEOUT", "900"))
 
@@ -29,7 +29,7 @@ class EngineGroup:
     """A launcher subprocess running one engine group, with its socket addresses."""
 
     def __init__(self, **engine_kwargs: Any):
-        from workers.loader import load_tokenizer, resolve_model
+        from pagedserve.workers.loader import load_tokenizer, resolve_model
 
         engine_kwargs.setdefault("http", False)
         config = EngineConfig.from_kwargs(**engine_kwargs)
@@ -41,7 +41,7 @@ class EngineGroup:
         self.frontend_addr = config.ipc.frontend_addr
         self.output_addr = config.ipc.output_addr
         argv = _config_to_argv(config, str(self.model_dir))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.launch", *argv],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.launch", *argv],
                                      start_new_session=True)
         atexit.register(self.stop)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 __all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepResult", "AddRequest",
            "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",

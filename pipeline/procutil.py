@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from pipeline.config import EngineConfig
+from pagedserve.pipeline.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 

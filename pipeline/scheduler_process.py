@@ -1,4 +1,4 @@
-"""Scheduler role: `python -m pipeline.scheduler_process --config-json ...`.
+"""Scheduler role: `python -m pagedserve.pipeline.scheduler_process --config-json ...`.
 
 Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall, heartbeats), a ROUTER for the
 worker ranks (Reset and StepPlan out to every rank, WorkerReady and StepResult back), a PULL
@@ -24,12 +24,12 @@ import uuid
 
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.config import EngineConfig
-from pipeline.faults import FaultInjector
-from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
-from pipeline.scheduler import Scheduler, SchedulerConfig
-from pipeline.scheduler_service import SchedulerService
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.config import EngineConfig
+from pagedserve.pipeline.faults import FaultInjector
+from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
+from pagedserve.pipeline.scheduler_service import SchedulerService
 
 log = setup_logging("scheduler")
 IDLE_POLL_MS = 1000
@@ -55,7 +55,7 @@ def scheduler_config(cfg: EngineConfig, max_model_len: int) -> SchedulerConfig:
 
 class SchedulerProcess:
     def __init__(self, cfg: EngineConfig):
-        from workers.loader import load_config as load_model_config
+        from pagedserve.workers.loader import load_config as load_model_config
         self.cfg = cfg
         self.model_config = load_model_config(cfg.model.model)
         self.max_model_len = cfg.model.max_model_len or self.model_config.max_position_embeddings
@@ -141,7 +141,7 @@ class SchedulerProcess:
         return min(r.num_gpu_blocks for r in ready), min(r.num_cpu_blocks for r in ready)
 
     def build(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        from kvmanager import SharedBlockTables
+        from pagedserve.kvmanager import SharedBlockTables
         sconf = scheduler_config(self.cfg, self.max_model_len)
         max_blocks = -(-self.max_model_len // sconf.block_size)
         tag = os.path.basename(self.cfg.ipc.ipc_dir) or f"pagedserve-{os.getpid()}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):

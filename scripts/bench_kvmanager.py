@@ -16,16 +16,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import sharegpt  # noqa: E402
-from kvmanager import KVCacheManager  # noqa: E402
+from pagedserve.kvmanager import KVCacheManager  # noqa: E402
 
 
 def sharegpt_lengths(num_samples: int, max_model_len: int) -> list[tuple[int, int]]:
     """(prompt tokens, reply tokens) of first turns, tokenized with the default model."""
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
     pairs = list(sharegpt.first_turns(limit=num_samples))

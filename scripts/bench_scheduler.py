@@ -9,16 +9,13 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.messages import StepResult  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
-from pipeline.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from pipeline.sequence import Request  # noqa: E402
+from pagedserve.pipeline.messages import StepResult  # noqa: E402
+from pagedserve.pipeline.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from pagedserve.pipeline.sequence import Request  # noqa: E402
 
 
 def fake_result(plan) -> StepResult:

@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 @dataclass(slots=True)
@@ -62,7 +61,7 @@ class RequestResult:
 def load_tokenizer(name: str):
     if name == "none":
         return None
-    from workers.loader import load_tokenizer as load, resolve_model
+    from pagedserve.workers.loader import load_tokenizer as load, resolve_model
     return load(resolve_model(name))
 
 

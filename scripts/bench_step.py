@@ -16,19 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import native_decode_attention  # noqa: E402
-from kernels.kv_format import KV_CACHE_DTYPES, resolve_kv_cache_dtype, to_storage  # noqa: E402
-from workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
-from workers.model_runner import ModelRunner, SeqStep  # noqa: E402
+from pagedserve.kernels import native_decode_attention  # noqa: E402
+from pagedserve.kernels.kv_format import KV_CACHE_DTYPES, resolve_kv_cache_dtype, to_storage  # noqa: E402
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
+from pagedserve.workers.model_runner import ModelRunner, SeqStep  # noqa: E402
 
 
 def timed(fn, repeats: int, warmup: int = 2, device: str = "cpu") -> float:
@@ -50,8 +48,8 @@ def cpu_info() -> dict:
     """What decides the CPU figures, for comparing runs across hosts: torch's vector ISA, whether
     oneDNN multiplies bf16 natively (else bf16 matmuls are emulated) and the dtype `--dtype auto`
     serves."""
-    from workers.models.layers import bf16_prepack_supported
-    from workers.worker_process import resolve_dtype
+    from pagedserve.workers.models.layers import bf16_prepack_supported
+    from pagedserve.workers.worker_process import resolve_dtype
     return {"cpu_isa": torch.backends.cpu.get_cpu_capability(),
             "bf16_packed": bf16_prepack_supported(),
             "auto_dtype": str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")}
@@ -73,7 +71,7 @@ def matmul_rates(config, tokens: int, dtype: torch.dtype,
     The roofline is the faster of the two: torch's own product, or the engine's (PackableLinear,
     prepacked as the model runner does: on CPUs without AVX-512 the native fp32 kernel, which
     beats MKL there), so a step is never measured against a slower product than the one it runs."""
-    from workers.models.layers import PackableLinear
+    from pagedserve.workers.models.layers import PackableLinear
 
     shapes = linear_shapes(config)
     params = sum(i * o * c for i, o, c in shapes)

@@ -38,12 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model  # noqa: E402
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model  # noqa: E402
 
 MIN_TOKENS = 4  # vLLM's benchmark drops prompts and replies shorter than this
 
@@ -103,7 +102,7 @@ def run_engine(requests: list[BenchRequest], model: str, engine_kwargs: dict,
                progress_s: float = 30.0) -> dict:
     """All requests submitted at once (what `LLM.generate` does), with a progress line every
     `progress_s` seconds from the scheduler's stats."""
-    from pipeline import LLM, SamplingParams
+    from pagedserve.pipeline import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
               for r in requests]

@@ -79,11 +79,11 @@ def greedy_check() -> None:
     import numpy as np
     from test_worker_core import BLOCK_SIZE, run_greedy
 
-    from workers.loader import load_config
-    from workers.model_runner import ModelRunner
-    from workers.sampler import Sampler
-    from workers.testing import hf_greedy, make_tiny_llama
-    from workers.worker_core import WorkerCore
+    from pagedserve.workers.loader import load_config
+    from pagedserve.workers.model_runner import ModelRunner
+    from pagedserve.workers.sampler import Sampler
+    from pagedserve.workers.testing import hf_greedy, make_tiny_llama
+    from pagedserve.workers.worker_core import WorkerCore
 
     model_dir = make_tiny_llama(Path(tempfile.mkdtemp()), seed=3, num_layers=4, hidden_size=576,
                                 num_heads=9, num_kv_heads=3, intermediate_size=1536,
@@ -111,8 +111,8 @@ def greedy_check() -> None:
 def attention_bench() -> None:
     import triton.testing
 
-    from kernels.paged_decode_attention import paged_decode_attention_triton
-    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+    from pagedserve.kernels.paged_decode_attention import paged_decode_attention_triton
+    from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
 
     hq, hkv, d, bs = 9, 3, 64, 16
     dev, dtype = "cuda", torch.bfloat16

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up (if needed), fetch the default model on first use, and start the whole process group
 # (scheduler, workers, detokenizer, HTTP ingress) serving on port 8000. Flags go to
-# `python -m pipeline.launch` and follow vLLM's names, e.g.:
+# `python -m pagedserve.pipeline.launch` and follow vLLM's names, e.g.:
 #   scripts/launch.sh --tensor-parallel-size 2 --max-num-seqs 128 --port 8001
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec python -m pipeline.launch "$@"
+exec python -m pagedserve.pipeline.launch "$@"

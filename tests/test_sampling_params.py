@@ -4,7 +4,7 @@ import msgpack
 import msgspec
 import pytest
 
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 
 def test_defaults_validate():

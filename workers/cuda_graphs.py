@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workers.models.attention import AttentionMetadata
+from pagedserve.workers.models.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from workers.load_error import ModelLoadError
+from pagedserve.workers.load_error import ModelLoadError
 
 # The loader's logger: converting is a step of loading a model, and its log lines keep that name.
 logger = logging.getLogger("pagedserve.loader")

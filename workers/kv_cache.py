@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from workers.loader import ModelConfig
-from workers.models.layers import partition_heads
+from pagedserve.workers.loader import ModelConfig
+from pagedserve.workers.models.layers import partition_heads
 
 
 def kv_heads_on_rank(config: ModelConfig, tp_size: int, tp_rank: int) -> int:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.gguf_files import (DEFAULT_MODEL, DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, check_gguf,
+from pagedserve.workers.gguf_files import (DEFAULT_MODEL, DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, check_gguf,
                           convert_gguf, fetch_default_gguf)
-from workers.load_error import ModelLoadError
+from pagedserve.workers.load_error import ModelLoadError
 
 logger = logging.getLogger("pagedserve.loader")
 
@@ -356,7 +356,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(
-        prog="python -m workers.loader",
+        prog="python -m pagedserve.workers.loader",
         description="Resolve (and on first use fetch/convert) a model; print its directory "
                     "and config.")
     parser.add_argument("--model", default=DEFAULT_MODEL,

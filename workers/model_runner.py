@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.kv_format import check_storage
-from workers.cuda_graphs import DecodeGraphs
-from workers.distributed import TPGroup
-from workers.kv_cache import allocate_kv_cache
-from workers.loader import ModelConfig, iter_weights
-from workers.models import model_class
-from workers.models.attention import AttentionMetadata
-from workers.models.layers import (check_quantization, prepack_linears, quantize_linears,
+from pagedserve.kernels.kv_format import check_storage
+from pagedserve.workers.cuda_graphs import DecodeGraphs
+from pagedserve.workers.distributed import TPGroup
+from pagedserve.workers.kv_cache import allocate_kv_cache
+from pagedserve.workers.loader import ModelConfig, iter_weights
+from pagedserve.workers.models import model_class
+from pagedserve.workers.models.attention import AttentionMetadata
+from pagedserve.workers.models.layers import (check_quantization, prepack_linears, quantize_linears,
                                    release_packed_weights)
 
 log = logging.getLogger(__name__)

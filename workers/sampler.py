@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.sampling_params import SamplingParams
-from workers.sampling.draw import apply_min_p, sample_full, sample_top_k_top_p, seeded_uniform
-from workers.sampling.penalties import apply_penalties, token_occurrences
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.workers.sampling.draw import apply_min_p, sample_full, sample_top_k_top_p, seeded_uniform
+from pagedserve.workers.sampling.penalties import apply_penalties, token_occurrences
 
 
 @dataclass

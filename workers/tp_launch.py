@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from pipeline.messages import StepPlan, StepResult
+from pagedserve.pipeline.messages import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 _OK, _NONE, _ERROR, _READY = b"o", b"n", b"e", b"r"
@@ -44,11 +44,11 @@ def _rank_main(rank: int, size: int, init_method: str, spec: RankSpec, conn: Con
     try:
         import torch
 
-        from workers.distributed import destroy_distributed, init_distributed
-        from workers.loader import load_config
-        from workers.model_runner import ModelRunner
-        from workers.sampler import Sampler
-        from workers.worker_core import WorkerCore
+        from pagedserve.workers.distributed import destroy_distributed, init_distributed
+        from pagedserve.workers.loader import load_config
+        from pagedserve.workers.model_runner import ModelRunner
+        from pagedserve.workers.sampler import Sampler
+        from pagedserve.workers.worker_core import WorkerCore
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device

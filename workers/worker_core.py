@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from kvmanager.shm_tables import SharedBlockTables
-from pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
-from pipeline.sampling_params import SamplingParams
-from workers.kv_cache import allocate_swap_pool
-from workers.model_runner import ModelRunner, SeqStep
-from workers.sampler import Sampler
+from pagedserve import kernels
+from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.workers.kv_cache import allocate_swap_pool
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

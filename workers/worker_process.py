@@ -1,4 +1,4 @@
-"""Worker role, one per tensor-parallel rank: `python -m workers.worker_process --rank R ...`.
+"""Worker role, one per tensor-parallel rank: `python -m pagedserve.workers.worker_process --rank R ...`.
 
 Thin glue around WorkerCore: connect a DEALER to the scheduler's worker ROUTER, join the
 torch.distributed group, load the model shard and KV cache, report WorkerReady (with the block
@@ -11,10 +11,10 @@ import sys
 
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.config import EngineConfig
-from pipeline.faults import FaultInjector
-from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.config import EngineConfig
+from pagedserve.pipeline.faults import FaultInjector
+from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
@@ -41,8 +41,8 @@ def resolve_dtype(name: str, device):
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    from kernels import native as native_kernels
-    from workers.models.layers import bf16_prepack_supported
+    from pagedserve.kernels import native as native_kernels
+    from pagedserve.workers.models.layers import bf16_prepack_supported
     native = (bf16_prepack_supported()
               and bool(native_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"}))
     return torch.bfloat16 if native else torch.float32
@@ -51,14 +51,14 @@ def resolve_dtype(name: str, device):
 def build_core(cfg: EngineConfig, rank: int):
     """Model shard, KV cache, swap pool and (rank 0) sampler for this rank."""
     import torch
-    from workers.distributed import init_distributed
-    from workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
-    from kernels import native_decode_attention
-    from kernels.kv_format import resolve_kv_cache_dtype
-    from workers.loader import load_config as load_model_config
-    from workers.model_runner import ModelRunner
-    from workers.sampler import Sampler
-    from workers.worker_core import WorkerCore
+    from pagedserve.workers.distributed import init_distributed
+    from pagedserve.workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
+    from pagedserve.kernels import native_decode_attention
+    from pagedserve.kernels.kv_format import resolve_kv_cache_dtype
+    from pagedserve.workers.loader import load_config as load_model_config
+    from pagedserve.workers.model_runner import ModelRunner
+    from pagedserve.workers.sampler import Sampler
+    from pagedserve.workers.worker_core import WorkerCore
 
     tp = cfg.parallel.tensor_parallel_size
     device = pick_device(cfg, rank)
@@ -153,7 +153,7 @@ def main() -> int:
                 pass
         return 1
     finally:
-        from workers.distributed import destroy_distributed
+        from pagedserve.workers.distributed import destroy_distributed
         destroy_distributed()
         sched.close(linger=500)
         control.close(linger=500)

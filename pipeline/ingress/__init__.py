@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP ingress: `python -m pipeline.ingress --config-json ...`.
+"""The OpenAI-compatible HTTP ingress: `python -m pagedserve.pipeline.ingress --config-json ...`.
 
 FastAPI on uvicorn (uvloop); a client of the engine through AsyncEngineClient. See app.py for
 the routes, completions.py / chat.py for the two generation endpoints.
 """
-from pipeline.ingress.app import build_app
-from pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.app import build_app
+from pagedserve.pipeline.ingress.context import IngressContext
 
 __all__ = ["build_app", "IngressContext"]

@@ -1,4 +1,4 @@
-"""Ingress role: `python -m pipeline.ingress --config-json <json> --rank 0`.
+"""Ingress role: `python -m pagedserve.pipeline.ingress --config-json <json> --rank 0`.
 
 Loads the tokenizer and model limits, serves the app with uvicorn on uvloop, tells the launcher
 it is ready once the port is listening, and on SIGTERM drains: stop accepting connections,
@@ -16,8 +16,8 @@ import uvicorn
 import uvloop
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 
 log = setup_logging("ingress")
 
@@ -49,11 +49,11 @@ def _notify_launcher(control_addr: str, msg) -> None:
 
 
 def build_server(cfg) -> _Server:
-    from pipeline.client import AsyncEngineClient
-    from pipeline.ingress.app import build_app
-    from pipeline.ingress.context import IngressContext
-    from workers.loader import load_config as load_model_config
-    from workers.loader import load_tokenizer
+    from pagedserve.pipeline.client import AsyncEngineClient
+    from pagedserve.pipeline.ingress.app import build_app
+    from pagedserve.pipeline.ingress.context import IngressContext
+    from pagedserve.workers.loader import load_config as load_model_config
+    from pagedserve.workers.loader import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.model)
     model_config = load_model_config(cfg.model.model)

@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from pipeline.ingress.chat import create_chat_completion
-from pipeline.ingress.completions import create_completion
-from pipeline.ingress.context import IngressContext
-from pipeline.ingress.errors import APIError, error_body
+from pagedserve.pipeline.ingress.chat import create_chat_completion
+from pagedserve.pipeline.ingress.completions import create_completion
+from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.errors import APIError, error_body
 
 log = logging.getLogger("pagedserve.ingress")
 

@@ -9,15 +9,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.ingress.context import IngressContext
-from pipeline.ingress.errors import invalid
-from pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
-from pipeline.ingress.logprobs import chat_logprobs
-from pipeline.ingress.protocol import ChatCompletionRequest
-from pipeline.ingress.streaming import DONE, sse
-from pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
+from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
+from pagedserve.pipeline.ingress.logprobs import chat_logprobs
+from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
+from pagedserve.pipeline.ingress.streaming import DONE, sse
+from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
                                          resolve_max_tokens, validated_params)
-from pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 # The template owns these arguments; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt",

@@ -9,15 +9,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.ingress.context import IngressContext
-from pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
-from pipeline.ingress.logprobs import CompletionLogprobs
-from pipeline.ingress.protocol import CompletionRequest
-from pipeline.ingress.streaming import DONE, sse
-from pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
+from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
+from pagedserve.pipeline.ingress.logprobs import CompletionLogprobs
+from pagedserve.pipeline.ingress.protocol import CompletionRequest
+from pagedserve.pipeline.ingress.streaming import DONE, sse
+from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
                                          check_token_ids, parse_request, read_json_object,
                                          resolve_max_tokens, validated_params)
-from pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 
 async def create_completion(ctx: IngressContext, request: Request) -> Response:

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.ingress.admission import AdmissionController
-from pipeline.ingress.errors import overloaded
-from pipeline.ingress.metrics import IngressMetrics
-from pipeline.ingress.tokens import TokenText
+from pagedserve.pipeline.ingress.admission import AdmissionController
+from pagedserve.pipeline.ingress.errors import overloaded
+from pagedserve.pipeline.ingress.metrics import IngressMetrics
+from pagedserve.pipeline.ingress.tokens import TokenText
 
 log = logging.getLogger("pagedserve.ingress")
 

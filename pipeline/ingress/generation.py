@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pipeline.ingress.context import IngressContext, Ticket
-from pipeline.ingress.errors import APIError, from_engine_error
-from pipeline.ingress.streaming import EngineStreamResponse, with_error_event
-from pipeline.outputs import RequestError
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.ingress.context import IngressContext, Ticket
+from pagedserve.pipeline.ingress.errors import APIError, from_engine_error
+from pagedserve.pipeline.ingress.streaming import EngineStreamResponse, with_error_event
+from pagedserve.pipeline.outputs import RequestError
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

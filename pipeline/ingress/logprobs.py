@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.ingress.tokens import TokenText
+from pagedserve.pipeline.ingress.tokens import TokenText
 
 _FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.ingress.errors import invalid
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 

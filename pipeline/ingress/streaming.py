@@ -8,7 +8,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pipeline.ingress.errors import APIError
+from pagedserve.pipeline.ingress.errors import APIError
 
 _ENCODER = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"

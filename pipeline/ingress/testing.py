@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.messages import TextDelta
-from pipeline.outputs import RequestError
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.messages import TextDelta
+from pagedserve.pipeline.outputs import RequestError
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -45,7 +45,7 @@ def make_tiny_tokenizer():
 
 
 def _byte_of(ch: str) -> int:
-    from pipeline.ingress.tokens import _BYTE_OF_CHAR
+    from pagedserve.pipeline.ingress.tokens import _BYTE_OF_CHAR
     return _BYTE_OF_CHAR[ch]
 
 
@@ -159,8 +159,8 @@ def make_test_context(tokenizer=None, *, max_model_len: int = 64, max_queued_req
                       max_num_seqs: int = 4, api_key: str | None = None,
                       max_request_bytes: int = 1 << 16, **engine_kwargs):
     """(IngressContext over a FakeEngine, that FakeEngine); model name "tiny"."""
-    from pipeline.ingress.admission import AdmissionController
-    from pipeline.ingress.context import IngressContext
+    from pagedserve.pipeline.ingress.admission import AdmissionController
+    from pagedserve.pipeline.ingress.context import IngressContext
 
     tokenizer = tokenizer or make_tiny_tokenizer()
     engine = FakeEngine(tokenizer, **engine_kwargs)

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from pipeline.ingress.errors import APIError, invalid
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.ingress.errors import APIError, invalid
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -1,8 +1,8 @@
 """Admission control: refuse at `add` what could never run, or what the queue cannot hold."""
 from __future__ import annotations
 
-from pipeline.scheduler.config import SchedulerConfig
-from pipeline.sequence import Request, RequestState
+from pagedserve.pipeline.scheduler.config import SchedulerConfig
+from pagedserve.pipeline.sequence import Request, RequestState
 
 
 class RequestRejected(ValueError):

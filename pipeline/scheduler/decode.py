@@ -16,11 +16,11 @@ from collections import deque
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepResult
-from pipeline.sequence import Sequence, SequenceOutput, SequenceStatus, StepOutputs
+from pagedserve.pipeline.messages import Fork, NewSeq, ScheduledSeq, StepResult
+from pagedserve.pipeline.sequence import Sequence, SequenceOutput, SequenceStatus, StepOutputs
 
 if TYPE_CHECKING:
-    from pipeline.scheduler.scheduler import Scheduler
+    from pagedserve.pipeline.scheduler.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
 # The new_block_ids of every decode that adds no block (most of them). Plans are messages: no

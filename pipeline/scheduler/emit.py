@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.messages import Fork, NewSeq, ScheduledSeq
-from pipeline.scheduler.decode import PlanBuilder, lane_cap
-from pipeline.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.messages import Fork, NewSeq, ScheduledSeq
+from pagedserve.pipeline.scheduler.decode import PlanBuilder, lane_cap
+from pagedserve.pipeline.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pipeline.scheduler.scheduler import Scheduler
+    from pagedserve.pipeline.scheduler.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
 

@@ -5,7 +5,7 @@ the sequence admitted last is the first to go.
 """
 from __future__ import annotations
 
-from pipeline.sequence import Sequence
+from pagedserve.pipeline.sequence import Sequence
 
 
 class FCFSPolicy:

@@ -29,11 +29,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pipeline.scheduler.decode import PlanBuilder
-    from pipeline.scheduler.scheduler import Scheduler
+    from pagedserve.pipeline.scheduler.decode import PlanBuilder
+    from pagedserve.pipeline.scheduler.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import heapq
 
-from pipeline.sequence import SequenceStatus
+from pagedserve.pipeline.sequence import SequenceStatus
 
 
 def requeue_for_recompute(scheduler) -> int:

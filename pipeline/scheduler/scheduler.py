@@ -15,15 +15,15 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pipeline.messages import SharedTables, StepPlan, StepResult
-from pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
-from pipeline.scheduler.admission import RequestRejected, admit_request
-from pipeline.scheduler.config import SchedulerConfig
-from pipeline.scheduler.emit import emit
-from pipeline.scheduler.policy import make_policy
-from pipeline.scheduler.preemption import (PreemptionChooser, preempt_for_waiting,
+from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult
+from pagedserve.pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
+from pagedserve.pipeline.scheduler.admission import RequestRejected, admit_request
+from pagedserve.pipeline.scheduler.config import SchedulerConfig
+from pagedserve.pipeline.scheduler.emit import emit
+from pagedserve.pipeline.scheduler.policy import make_policy
+from pagedserve.pipeline.scheduler.preemption import (PreemptionChooser, preempt_for_waiting,
                                            reserve_or_preempt)
-from pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
+from pagedserve.pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
                                Sequence, SequenceOutput, SequenceStatus, StepOutputs)
 
 RUNNING = SequenceStatus.RUNNING
@@ -91,7 +91,7 @@ class Scheduler:
     def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                     eos_token_ids=(), block_tables=None) -> "Scheduler":
         """A scheduler over a fresh KVCacheManager built from the same settings."""
-        from kvmanager import KVCacheManager
+        from pagedserve.kvmanager import KVCacheManager
         kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                             enable_prefix_caching=config.enable_prefix_caching,
                             watermark=config.watermark, block_tables=block_tables)
@@ -129,7 +129,7 @@ class Scheduler:
 
     def reset_device_state(self) -> int:
         """The workers lost their KV cache: recompute every live sequence (see recovery.py)."""
-        from pipeline.scheduler.recovery import requeue_for_recompute
+        from pagedserve.pipeline.scheduler.recovery import requeue_for_recompute
         return requeue_for_recompute(self)
 
     def has_unfinished(self) -> bool:

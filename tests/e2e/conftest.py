@@ -6,7 +6,7 @@ import os
 import psutil
 import pytest
 
-from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def our_processes() -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "-m pipeline." in cmd or "-m workers." in cmd:
+        if "-m pagedserve.pipeline." in cmd or "-m pagedserve.workers." in cmd:
             if p.pid != os.getpid():
                 found.append(p)
     return found
@@ -38,7 +38,7 @@ def shm_segments(prefix: str = "pagedserve-") -> list[str]:
 def llm_bf16(model_dir):
     """One TP=1 group shared by the tests of a module (the dtype `auto` picks for this host). Its
     KV cache is fp8, so these tests also run swap, abort and streaming over an fp8 cache."""
-    from pipeline import LLM
+    from pagedserve.pipeline import LLM
     llm = LLM(model=str(model_dir), max_num_seqs=256, kv_cache_memory="512MiB", swap_space=0.25,
               kv_cache_dtype="fp8")
     yield llm

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults.conftest import Group
-from workers.testing import hf_greedy
+from pagedserve.workers.testing import hf_greedy
 
 pytestmark = pytest.mark.slow
 

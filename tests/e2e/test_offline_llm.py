@@ -7,9 +7,9 @@ import time
 import psutil
 import pytest
 
-from pipeline import LLM, SamplingParams
+from pagedserve.pipeline import LLM, SamplingParams
 from tests.e2e.conftest import our_processes, shm_segments
-from workers.testing import hf_greedy
+from pagedserve.workers.testing import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,9 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         launcher = psutil.Process(llm._group.proc.pid)
         roles = [" ".join(c.cmdline()) for c in launcher.children()]
         # scheduler, 2 workers, detokenizer (+ this test process as the client)
-        assert sum("workers.worker_process" in r for r in roles) == 2
-        assert sum("pipeline.scheduler_process" in r for r in roles) == 1
-        assert sum("pipeline.detokenizer_process" in r for r in roles) == 1
+        assert sum("pagedserve.workers.worker_process" in r for r in roles) == 2
+        assert sum("pagedserve.pipeline.scheduler_process" in r for r in roles) == 1
+        assert sum("pagedserve.pipeline.detokenizer_process" in r for r in roles) == 1
         outs = llm.generate(ids, params)
     for out, exp, prompt in zip(outs, expected, PROMPTS):
         assert out.outputs[0].token_ids == exp, prompt
@@ -50,8 +50,8 @@ def in_process_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int,
     one step prefills them all, then each step decodes one token for each."""
     import torch
 
-    from workers.loader import load_config
-    from workers.model_runner import ModelRunner, SeqStep
+    from pagedserve.workers.loader import load_config
+    from pagedserve.workers.model_runner import ModelRunner, SeqStep
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // 16)
     runner = ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", 16,
                          per_seq * len(prompts), quantization=quantization)
@@ -84,16 +84,16 @@ def test_generate_returns_outputs_in_input_order_with_text_prompts(llm_bf16, mod
     assert [o.prompt for o in outs] == PROMPTS[:4]
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1, 5]
     # the fixture's fp8 cache: one byte per element, so 512 MiB holds that many blocks
-    from workers.kv_cache import num_blocks_for_bytes
+    from pagedserve.workers.kv_cache import num_blocks_for_bytes
     import torch
-    from workers.loader import load_config
+    from pagedserve.workers.loader import load_config
     config = load_config(model_dir)
     assert llm_bf16.stats()["kv_blocks_total"] == num_blocks_for_bytes(
         config, 16, torch.float8_e4m3fn, 512 << 20)
 
 
 def _client_process(frontend, output, n, offset, queue):
-    from pipeline.client import EngineClient
+    from pagedserve.pipeline.client import EngineClient
     with EngineClient(frontend, output) as client:
         futs = [client.submit([1 + (i % 50), 2, 3, 4 + i % 7],
                               SamplingParams(temperature=0.8, seed=i, max_tokens=4 + (i + offset) % 13,

@@ -1,4 +1,4 @@
-"""Real process groups with faults: launched through `python -m pipeline.launch`, driven with
+"""Real process groups with faults: launched through `python -m pagedserve.pipeline.launch`, driven with
 the ZMQ client library, asserted on what clients see."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from pipeline import SamplingParams
-from pipeline.client import EngineClient
-from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.pipeline import SamplingParams
+from pagedserve.pipeline.client import EngineClient
+from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 TOPICS = ["the sea", "mountains", "a robot", "bread", "the moon", "rivers", "chess", "winter",
           "a library", "trains", "coffee", "bees", "volcanoes", "music", "a garden", "clocks"]
@@ -48,7 +48,7 @@ class Group:
                  extra: tuple[str, ...] = ()):
         self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         self.port = free_port() if http else None
-        cmd = [sys.executable, "-m", "pipeline.launch", "--model", str(model_dir),
+        cmd = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model", str(model_dir),
                "--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05",
                "--tensor-parallel-size", str(tp), "--ipc-dir", self.ipc_dir,
                "--step-timeout", "20", "--heartbeat-timeout", "8", "--die-with-parent", *extra]

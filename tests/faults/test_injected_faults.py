@@ -7,10 +7,10 @@ import time
 import psutil
 import pytest
 
-from pipeline import SamplingParams
-from pipeline.outputs import RequestError
+from pagedserve.pipeline import SamplingParams
+from pagedserve.pipeline.outputs import RequestError
 from tests.faults.conftest import Group, token_ids
-from workers.loader import load_tokenizer
+from pagedserve.workers.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -19,8 +18,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.kv_format import triton_format  # noqa: E402
+from pagedserve.kernels.kv_format import triton_format  # noqa: E402
 
 ACT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 # (activation dtype, cache storage type, cache torch dtype)
@@ -37,10 +35,10 @@ def signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
 
 
 def variants():
-    decode = importlib.import_module("kernels.paged_decode_attention")
-    prefill = importlib.import_module("kernels.paged_prefill_attention")
-    store = importlib.import_module("kernels.store_kv")
-    copy = importlib.import_module("kernels.copy_blocks")
+    decode = importlib.import_module("pagedserve.kernels.paged_decode_attention")
+    prefill = importlib.import_module("pagedserve.kernels.paged_prefill_attention")
+    store = importlib.import_module("pagedserve.kernels.store_kv")
+    copy = importlib.import_module("pagedserve.kernels.copy_blocks")
     for (act, cache, cache_dtype), block_size in itertools.product(CACHES, BLOCK_SIZES):
         fmt = triton_format(cache_dtype)
         dot = "ieee" if act == "fp32" else "tf32"

@@ -7,10 +7,10 @@ import pytest
 import torch
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
-import kernels
-from kernels import cpu_decode_attention
-from kernels.cpu_decode_attention import bucket_bounds, paged_decode_attention_cpu
-from kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve import kernels
+from pagedserve.kernels import cpu_decode_attention
+from pagedserve.kernels.cpu_decode_attention import bucket_bounds, paged_decode_attention_cpu
+from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -98,9 +98,9 @@ def test_dispatch_serves_cpu_tensors_with_the_selected_path(monkeypatch, rng):
 
 
 def test_env_var_selects_the_decode_path():
-    code = ("import kernels\n"
-            "from kernels.cpu_decode_attention import paged_decode_attention_cpu\n"
-            "from kernels.paged_decode_attention import paged_decode_attention_ref\n"
+    code = ("import pagedserve.kernels as kernels\n"
+            "from pagedserve.kernels.cpu_decode_attention import paged_decode_attention_cpu\n"
+            "from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref\n"
             "print(kernels._decode_torch is paged_decode_attention_ref,"
             " kernels._decode_torch is paged_decode_attention_cpu,"
             " kernels._decode_torch is kernels._decode_native)\n")

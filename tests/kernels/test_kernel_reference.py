@@ -8,12 +8,12 @@ import pytest
 import torch
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
-import kernels
-from kernels.copy_blocks import copy_blocks_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.paged_prefill_attention import paged_prefill_attention_ref
-from kernels.store_kv import store_kv_ref
-from kernels.swap_blocks import swap_blocks_ref
+from pagedserve import kernels
+from pagedserve.kernels.copy_blocks import copy_blocks_ref
+from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
+from pagedserve.kernels.store_kv import store_kv_ref
+from pagedserve.kernels.swap_blocks import swap_blocks_ref
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -119,8 +119,8 @@ def test_imports_and_serves_on_cpu_without_interpreter():
     """A CPU-only host without TRITON_INTERPRET imports every kernel module and runs the torch
     path through the dispatch."""
     code = (
-        "import importlib, torch, kernels\n"
-        "s = importlib.import_module('kernels.store_kv')\n"
+        "import importlib, torch\nimport pagedserve.kernels as kernels\n"
+        "s = importlib.import_module('pagedserve.kernels.store_kv')\n"
         "from triton.runtime.jit import JITFunction\n"
         "assert isinstance(s._store_kv_kernel, JITFunction)\n"
         "kv = torch.zeros(1, 2, 2, 16, 1, 16)\n"

@@ -8,7 +8,7 @@ import torch
 from conftest import triton_runs_here
 from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
 
-from kernels import _checks
+from pagedserve.kernels import _checks
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_attention_reads_narrow_caches_like_the_reference(triton_kernels, poison
                                                           device, cache_dtype):
     """fp32 queries over an fp8 or bf16 cache (kernels/kv_format.py): the kernels widen each
     element by bit manipulation, the references by torch's conversion; both must agree."""
-    from kernels.kv_format import to_storage
+    from pagedserve.kernels.kv_format import to_storage
     block_size, num_q_heads, num_kv_heads, head_dim = 16, 9, 3, 32
     kv_cache = make_kv_cache(rng, 1, 12, block_size, num_kv_heads, head_dim, torch.float32)
     # spread over fp8's range: normals, subnormals (e4m3 below 2**-6) and saturation
@@ -160,7 +160,7 @@ def test_attention_reads_narrow_caches_like_the_reference(triton_kernels, poison
 
 @pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
 def test_store_kv_converts_into_narrow_caches(triton_kernels, rng, device, cache_dtype):
-    from kernels.kv_format import raw, to_storage
+    from pagedserve.kernels.kv_format import raw, to_storage
     module = triton_kernels["store_kv"]
     kv_cache = torch.zeros((1, 2, 4, 16, 3, 24), device=device).to(cache_dtype)
     expected = kv_cache.clone()

@@ -3,11 +3,11 @@ moves (copy-on-write, swap) on fp8 caches, whose CPU index ops run on the bytes.
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks_ref
-from kernels.kv_format import (KV_CACHE_DTYPES, check_storage, raw, resolve_kv_cache_dtype,
+from pagedserve.kernels.copy_blocks import copy_blocks_ref
+from pagedserve.kernels.kv_format import (KV_CACHE_DTYPES, check_storage, raw, resolve_kv_cache_dtype,
                                to_storage)
-from kernels.swap_blocks import swap_blocks_ref
-from pipeline.config import KV_CACHE_DTYPE_NAMES
+from pagedserve.kernels.swap_blocks import swap_blocks_ref
+from pagedserve.pipeline.config import KV_CACHE_DTYPE_NAMES
 
 
 def test_names_follow_vllm_and_the_config_flag():

@@ -10,11 +10,11 @@ import pytest
 import torch
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
-import kernels
-from kernels import native, native_decode_attention
-from kernels.kv_format import to_storage
-from kernels.native_decode_attention import paged_decode_attention_native
-from kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve import kernels
+from pagedserve.kernels import native, native_decode_attention
+from pagedserve.kernels.kv_format import to_storage
+from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
+from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason=f"no native kernels: {native.unavailable_reason()}")
@@ -141,7 +141,7 @@ def test_fp16_falls_back_to_the_torch_path(rng):
 
 
 def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
-    code = ("from kernels import native\n"
+    code = ("from pagedserve.kernels import native\n"
             "lib = native.library()\n"
             "print('built' if lib is not None else native.unavailable_reason())\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,9 +159,9 @@ def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
 _VARIANT_CHECK = """
 import torch
 from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
-from kernels import native
-from kernels.native_decode_attention import paged_decode_attention_native
-from kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve.kernels import native
+from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
+from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 assert native.library() is not None, native.unavailable_reason()
 rng = torch.Generator().manual_seed(0)
 for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
@@ -178,7 +178,7 @@ for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e
         args = (q, kv[0, 0], kv[0, 1], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
         err = rel_error(paged_decode_attention_native(*args), paged_decode_attention_ref(*args))
         assert err < tol, (dtype, hq, hkv, d, err)
-from kernels import native_linear   # the fp32 and bf16 linears in the same build
+from pagedserve.kernels import native_linear   # the fp32 and bf16 linears in the same build
 for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):
     for m, n, k in ((1, 17, 576), (7, 100, 33), (13, 64, 1536)):
         w = torch.randn(n, k, generator=rng).to(dtype)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native_elementwise
+from pagedserve.kernels import native_elementwise
 
 pytestmark = pytest.mark.skipif(not native_elementwise.available(),
                                 reason="the native kernels cannot be built here")
@@ -169,7 +169,7 @@ def test_supports():
 
 _SSE_BUILD_CHECK = """
 import torch, torch.nn.functional as F
-from kernels import native, native_elementwise
+from pagedserve.kernels import native, native_elementwise
 assert native.library() is not None, native.unavailable_reason()
 gate = torch.linspace(-87.3, 120, 100_001)
 out = native_elementwise.silu_mul(torch.stack([gate, torch.ones_like(gate)], dim=1))[:, 0]

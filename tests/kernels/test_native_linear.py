@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native_linear
+from pagedserve.kernels import native_linear
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="the native kernels cannot be built here")

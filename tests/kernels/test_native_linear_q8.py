@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, native_linear_q8 as q8
+from pagedserve.kernels import native, native_linear_q8 as q8
 
 pytestmark = pytest.mark.skipif(not q8.available(), reason="native kernels unavailable")
 
@@ -86,7 +86,7 @@ def test_bad_input_is_refused_with_the_cause():
 
 _PORTABLE_CHECK = r"""
 import torch
-from kernels import native_linear_q8 as q8
+from pagedserve.kernels import native_linear_q8 as q8
 rng = torch.Generator().manual_seed(3)
 for m, n, k in ((1, 17, 64), (6, 40, 96), (13, 64, 576)):
     w, x = torch.randn(n, k, generator=rng), torch.randn(m, k, generator=rng)

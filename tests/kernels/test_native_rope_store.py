@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native, native_rope_store
-from kernels.store_kv import store_kv_ref
-from workers.models.layers import RotaryEmbedding
+from pagedserve.kernels import native, native_rope_store
+from pagedserve.kernels.store_kv import store_kv_ref
+from pagedserve.workers.models.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the native kernels cannot be built here")

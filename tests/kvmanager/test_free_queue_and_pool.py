@@ -1,6 +1,6 @@
 import pytest
 
-from kvmanager import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
+from pagedserve.kvmanager import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
 
 
 def ids(queue):

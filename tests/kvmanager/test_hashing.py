@@ -2,7 +2,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvmanager import hash_block_tokens, hash_full_blocks
+from pagedserve.kvmanager import hash_block_tokens, hash_full_blocks
 
 
 def test_hash_chains_parent_tokens_and_salt():
@@ -18,7 +18,7 @@ def test_hash_chains_parent_tokens_and_salt():
 
 
 def test_hash_is_stable_across_processes():
-    code = ("from kvmanager import hash_block_tokens;"
+    code = ("from pagedserve.kvmanager import hash_block_tokens;"
             "print(hash_block_tokens(None, [7, 8, 9], 'salt').hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=Path(__file__).resolve().parents[2])

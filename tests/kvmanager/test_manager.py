@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmanager import KVCacheManager, NoFreeBlocksError, hash_full_blocks
+from pagedserve.kvmanager import KVCacheManager, NoFreeBlocksError, hash_full_blocks
 
 
 def free_ids(m):

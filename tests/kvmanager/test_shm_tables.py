@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmanager import KVCacheManager, SharedBlockTables
-from kvmanager.shm_tables import NAME_PREFIX
+from pagedserve.kvmanager import KVCacheManager, SharedBlockTables
+from pagedserve.kvmanager.shm_tables import NAME_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_attach_errors_name_the_cause(tables):
 
 READER = """
 import json, sys
-from kvmanager import SharedBlockTables
+from pagedserve.kvmanager import SharedBlockTables
 t = SharedBlockTables.attach(sys.argv[1], 4, 6)
 print(json.dumps(t.array.tolist()))
 t.close()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmanager import KVCacheManager, NoFreeBlocksError, SharedBlockTables, hash_full_blocks
+from pagedserve.kvmanager import KVCacheManager, NoFreeBlocksError, SharedBlockTables, hash_full_blocks
 
 BS = 4
 NUM_GPU, NUM_CPU, MAX_SEQS = 16, 8, 10

@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from array import array
 
-from pipeline.messages import StepPlan, StepResult
+from pagedserve.pipeline.messages import StepPlan, StepResult
 
 
 def next_token(salt: int, history: list[int], vocab: int) -> int:
@@ -131,7 +131,7 @@ def drive(sched, worker, *, now: float = 0.0, max_steps: int = 10_000, check=Non
 def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, *, eos=(), vocab: int = 1000,
                    salt_of=None, **config):
     """A scheduler over a real KVCacheManager plus a FakeWorker of the same pool sizes."""
-    from pipeline.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
 
     config.setdefault("max_model_len", 256)
     config.setdefault("watermark", 0.0)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pipeline.config import ParallelArgs, build_arg_parser, config_from_args
+from pagedserve.pipeline.config import ParallelArgs, build_arg_parser, config_from_args
 
 
 def _cfg(*argv):
@@ -38,7 +38,7 @@ def test_kv_cache_dtype_flag():
     assert _cfg("--kv-cache-dtype", "fp8").cache.kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):   # argparse names the choices
         _cfg("--kv-cache-dtype", "int4")
-    from pipeline.config import EngineConfig
+    from pagedserve.pipeline.config import EngineConfig
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, .*got 'q8'"):
         EngineConfig.from_kwargs(kv_cache_dtype="q8")
 
@@ -49,7 +49,7 @@ def test_quantization_flag():
     assert _cfg("-q", "int8", "--dtype", "float32").model.quantization == "int8"
     with pytest.raises(SystemExit):   # argparse names the choices
         _cfg("--quantization", "int4")
-    from pipeline.config import EngineConfig
+    from pagedserve.pipeline.config import EngineConfig
     with pytest.raises(ValueError, match="--quantization must be one of none, int8, got 'awq'"):
         EngineConfig.from_kwargs(quantization="awq")
     with pytest.raises(ValueError, match="does not combine with --dtype bfloat16"):
@@ -60,8 +60,8 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
     # LLM(...) starts the group with a command line: no engine argument may be dropped on the way
     from dataclasses import asdict
 
-    from pipeline.config import EngineConfig
-    from pipeline.llm import _config_to_argv
+    from pagedserve.pipeline.config import EngineConfig
+    from pagedserve.pipeline.llm import _config_to_argv
     given = dict(served_model_name="m", dtype="float32", quantization="int8", max_model_len=999,
                  seed=7,
                  block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,
@@ -88,5 +88,5 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
 def test_enforce_eager_flag():
     assert _cfg().parallel.enforce_eager is False
     assert _cfg("--enforce-eager").parallel.enforce_eager is True
-    from pipeline.config import EngineConfig
+    from pagedserve.pipeline.config import EngineConfig
     assert EngineConfig.from_kwargs(enforce_eager=True).parallel.enforce_eager is True

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.detokenize import MAX_HELD_INVALID, IncrementalDetokenizer
+from pagedserve.pipeline.detokenize import MAX_HELD_INVALID, IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello, world!",
@@ -209,7 +209,7 @@ def test_cjk_and_emoji_byte_fallback_sentencepiece():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 

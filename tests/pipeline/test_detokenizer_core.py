@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.detokenizer_core import DetokenizerCore
-from pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.detokenizer_core import DetokenizerCore
+from pagedserve.pipeline.sampling_params import SamplingParams
 
 TEXT = "The quick brown fox says 你好 🦀 and then stops. Done!"
 

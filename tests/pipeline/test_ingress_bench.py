@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.ingress import build_app
-from pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.testing import make_test_context
 
 _PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
 spec = importlib.util.spec_from_file_location("bench_serving", _PATH)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline.ingress import build_app
-from pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.testing import make_test_context
 
 
 class FakeConnection:

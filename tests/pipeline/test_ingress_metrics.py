@@ -4,8 +4,8 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.ingress import build_app
-from pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.testing import make_test_context
 
 ISSUE_NAMES = {  # family names as the parser reports them (counters without _total)
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",

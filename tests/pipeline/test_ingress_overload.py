@@ -3,10 +3,10 @@ import asyncio
 
 import httpx
 
-from pipeline.ingress import build_app
-from pipeline.ingress.admission import REJECT_BACKOFF_S, AdmissionController
-from pipeline.ingress.testing import make_test_context
-from pipeline.outputs import RequestError
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.admission import REJECT_BACKOFF_S, AdmissionController
+from pagedserve.pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.outputs import RequestError
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""`python -m pipeline.ingress` as a real process against a fake engine speaking the real wire
+"""`python -m pagedserve.pipeline.ingress` as a real process against a fake engine speaking the real wire
 (scheduler ROUTER + detokenizer ROUTER over ipc://): readiness to the launcher's control socket,
 the openai SDK end to end, abort on a dropped stream, and a SIGTERM drain that finishes the
 in-flight stream and exits 0."""
@@ -16,9 +16,9 @@ import httpx
 import pytest
 import zmq
 
-from pipeline import ipc, messages
-from pipeline.config import EngineConfig
-from pipeline.ingress.testing import make_tiny_tokenizer
+from pagedserve.pipeline import ipc, messages
+from pagedserve.pipeline.config import EngineConfig
+from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def group(tmp_path):
     engine.start()
     zctx = zmq.Context()
     control = ipc.make_socket(zctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.ingress", "--config-json",
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.ingress", "--config-json",
                              cfg.to_json(), "--rank", "0"], cwd=ROOT)
     try:
         assert control.poll(120_000), "the ingress never reported ready"

@@ -4,15 +4,15 @@ import asyncio
 import httpx
 import pytest
 
-from pipeline.ingress import build_app
-from pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.testing import make_test_context
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 
 
@@ -39,7 +39,7 @@ def test_chat_template_tokens_and_logprob_bytes(smollm2_tokenizer):
     asyncio.run(main())
 
     # bytes of a token that is only part of a UTF-8 character are the raw bytes, not U+FFFD
-    from pipeline.ingress.tokens import TokenText
+    from pagedserve.pipeline.ingress.tokens import TokenText
     text = TokenText(tok)
     ids = tok.encode("ü", add_special_tokens=False)
     assert b"".join(bytes(text.bytes(i)) for i in ids) == "ü".encode()

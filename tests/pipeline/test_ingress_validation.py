@@ -6,8 +6,8 @@ import json
 import httpx
 import pytest
 
-from pipeline.ingress import build_app
-from pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress import build_app
+from pagedserve.pipeline.ingress.testing import make_test_context
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"

@@ -2,7 +2,7 @@
 'Host unreachable' answering a stats call from an ingress that was shutting down)."""
 import zmq
 
-from pipeline import ipc, messages
+from pagedserve.pipeline import ipc, messages
 
 
 def test_reply_to_a_gone_peer_is_dropped(tmp_path):

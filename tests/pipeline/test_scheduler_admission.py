@@ -1,10 +1,10 @@
 """Admission control, configuration checks, stop rules, abort/stop and resubmission."""
 import pytest
 
-from pipeline.messages import StepResult
-from pipeline.sampling_params import SamplingParams as SP
-from pipeline.scheduler import QueueFull, RequestRejected, SchedulerConfig
-from pipeline.sequence import Request
+from pagedserve.pipeline.messages import StepResult
+from pagedserve.pipeline.sampling_params import SamplingParams as SP
+from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, SchedulerConfig
+from pagedserve.pipeline.sequence import Request
 from sched_fakes import drive, expected_tokens, make_scheduler, step
 
 EOS = 2
@@ -92,8 +92,8 @@ def test_config_validation(kwargs, message):
 
 
 def test_block_size_mismatch_is_refused():
-    from kvmanager import KVCacheManager
-    from pipeline.scheduler import Scheduler
+    from pagedserve.kvmanager import KVCacheManager
+    from pagedserve.pipeline.scheduler import Scheduler
     with pytest.raises(ValueError, match="block_size mismatch"):
         Scheduler(SchedulerConfig(max_model_len=64, block_size=16), KVCacheManager(8, 8))
 

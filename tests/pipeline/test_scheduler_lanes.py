@@ -4,9 +4,9 @@ import msgpack
 import msgspec
 import pytest
 
-from pipeline.messages import StepResult
-from pipeline.sampling_params import SamplingParams as SP
-from pipeline.sequence import Request, SequenceOutput, StepOutputs
+from pagedserve.pipeline.messages import StepResult
+from pagedserve.pipeline.sampling_params import SamplingParams as SP
+from pagedserve.pipeline.sequence import Request, SequenceOutput, StepOutputs
 from sched_fakes import expected_tokens, make_scheduler, step
 
 

@@ -3,9 +3,9 @@ computes and which blocks are allocated, copied, swapped and freed, step by step
 import msgpack
 import msgspec
 
-from pipeline.messages import StepPlan, StepResult
-from pipeline.sampling_params import SamplingParams as SP
-from pipeline.sequence import Request
+from pagedserve.pipeline.messages import StepPlan, StepResult
+from pagedserve.pipeline.sampling_params import SamplingParams as SP
+from pagedserve.pipeline.sequence import Request
 from sched_fakes import brief, expected_tokens, make_scheduler, plan_shape, step
 
 

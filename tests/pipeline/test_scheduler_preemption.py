@@ -3,9 +3,9 @@ tokens it would have produced undisturbed (the fake model's next token is a func
 whole history, read back out of the fake KV cache)."""
 import pytest
 
-from pipeline.sampling_params import SamplingParams as SP
-from pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
-from pipeline.sequence import Request
+from pagedserve.pipeline.sampling_params import SamplingParams as SP
+from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
+from pagedserve.pipeline.sequence import Request
 from sched_fakes import drive, expected_tokens, make_scheduler, step
 
 LOW_PROMPT = list(range(1, 13))  # 3 blocks of 4

@@ -6,9 +6,9 @@ import os
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from pipeline.sampling_params import SamplingParams as SP
-from pipeline.scheduler import RequestRejected
-from pipeline.sequence import Request
+from pagedserve.pipeline.sampling_params import SamplingParams as SP
+from pagedserve.pipeline.scheduler import RequestRejected
+from pagedserve.pipeline.sequence import Request
 from sched_fakes import expected_tokens, make_scheduler
 
 EOS = 7

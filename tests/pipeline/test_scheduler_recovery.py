@@ -3,8 +3,8 @@ by completed steps come back from the surviving host pool, and every request sti
 exactly the tokens of an undisturbed run."""
 from __future__ import annotations
 
-from pipeline.sampling_params import SamplingParams
-from pipeline.sequence import Request, SequenceStatus
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sequence import Request, SequenceStatus
 from tests.pipeline.sched_fakes import expected_tokens, make_scheduler
 
 

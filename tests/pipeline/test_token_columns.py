@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgpack
 import msgspec
 
-from pipeline import messages
-from pipeline.detokenizer_process import DetokenizerService
-from pipeline.sampling_params import SamplingParams
-from pipeline.scheduler_service import SchedulerService
+from pagedserve.pipeline import messages
+from pagedserve.pipeline.detokenizer_process import DetokenizerService
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.scheduler_service import SchedulerService
 from sched_fakes import make_scheduler
 from test_detokenizer_core import ids_of, tokenizer
 

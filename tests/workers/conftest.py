@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.gguf_files import fetch_default_gguf
-from workers.loader import DEFAULT_MODEL, resolve_model
-from workers.testing import make_tiny_llama
+from pagedserve.workers.gguf_files import fetch_default_gguf
+from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.workers.testing import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

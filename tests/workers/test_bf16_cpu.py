@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native_linear
+from pagedserve.kernels import native_linear
 from test_quantization import BLOCK_SIZE, TEXT, prefill_logits
-from workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from workers.model_runner import ModelRunner
-from workers.models import layers
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.models import layers
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="native kernels unavailable")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from workers.loader import load_config
-from workers.model_runner import ModelRunner, SeqStep
-from workers.testing import make_tiny_llama
+from pagedserve.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.testing import make_tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 64, 8
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native_elementwise
-from workers.loader import load_config
-from workers.model_runner import ModelRunner, SeqStep
-from workers.models import layers
-from workers.models.layers import RMSNorm, silu_and_mul
-from workers.testing import make_tiny_llama
+from pagedserve.kernels import native_elementwise
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.models import layers
+from pagedserve.workers.models.layers import RMSNorm, silu_and_mul
+from pagedserve.workers.testing import make_tiny_llama
 
 needs_native = pytest.mark.skipif(not native_elementwise.available(),
                                   reason="the native kernels cannot be built here")

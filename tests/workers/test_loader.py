@@ -1,4 +1,4 @@
-"""workers.loader and workers.gguf_files: resolution, config, weights, tokenizer, the GGUF
+"""pagedserve.workers.loader and workers.gguf_files: resolution, config, weights, tokenizer, the GGUF
 cache and its errors."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import loader
-from workers.gguf_files import check_gguf
-from workers.loader import (CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once,
+from pagedserve.workers import loader
+from pagedserve.workers.gguf_files import check_gguf
+from pagedserve.workers.loader import (CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once,
                             iter_weights, load_config, load_tokenizer, resolve_model)
-from workers.testing import hf_greedy, make_tiny_llama
+from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -260,7 +260,7 @@ def _build_script(target: Path, log: Path, *, crash: bool = False) -> str:
     return textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from workers.loader import build_once
+        from pagedserve.workers.loader import build_once
         def build(out):
             with open({str(log)!r}, "a") as f:
                 f.write(f"{{os.getpid()}}\\n")
@@ -409,7 +409,7 @@ def test_real_gguf_cut_in_half(default_gguf, tmp_path):
 
 @pytest.mark.slow
 def test_cli_prints_directory_and_config(default_model_dir):
-    done = subprocess.run([sys.executable, "-m", "workers.loader", "--model",
+    done = subprocess.run([sys.executable, "-m", "pagedserve.workers.loader", "--model",
                            str(default_model_dir)], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -419,7 +419,7 @@ def test_cli_prints_directory_and_config(default_model_dir):
 
 
 def test_cli_reports_a_bad_model_without_traceback():
-    bad = subprocess.run([sys.executable, "-m", "workers.loader", "--model", "/nonexistent/x"],
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.workers.loader", "--model", "/nonexistent/x"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert "/nonexistent/x: no such file or directory" in bad.stderr

@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from workers.loader import load_config
-from workers.model_runner import ModelRunner, SeqStep
-from workers.models.layers import partition_heads, rope_inv_freq
-from workers.testing import hf_greedy, make_tiny_llama
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.models.layers import partition_heads, rope_inv_freq
+from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 64
 
@@ -117,8 +117,8 @@ def test_block_table_too_short_is_a_clear_error(tiny_dir):
 
 
 def test_missing_weight_is_reported(tiny_dir):
-    from workers.loader import iter_weights
-    from workers.models.llama import LlamaForCausalLM
+    from pagedserve.workers.loader import iter_weights
+    from pagedserve.workers.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(load_config(tiny_dir))
     with pytest.raises(ValueError, match="missing 1 tensors.*layers.1.mlp.down_proj"):
@@ -167,7 +167,7 @@ def test_unsupported_rope_scaling_is_refused():
 
 
 def smollm2_shapes():
-    from workers.loader import ModelConfig
+    from pagedserve.workers.loader import ModelConfig
 
     return ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
                        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -177,7 +177,7 @@ def smollm2_shapes():
 
 
 def test_kv_cache_sizing_and_per_rank_layout():
-    from workers.kv_cache import (allocate_kv_cache, allocate_swap_pool, block_bytes,
+    from pagedserve.workers.kv_cache import (allocate_kv_cache, allocate_swap_pool, block_bytes,
                                   device_budget_bytes, num_blocks_for_bytes)
 
     config = smollm2_shapes()
@@ -213,9 +213,9 @@ def test_narrow_kv_cache_computes_what_its_values_hold(tiny_dir, monkeypatch, ca
     same rounded K/V. The first step reads fresh K/V back through the prefill kernel; the second
     reads the cache through both the decode and the prefill kernels. (How much the rounding
     itself costs is a property of the model: on SmolLM2, see README.)"""
-    import kernels
-    from kernels import native_rope_store
-    from kernels.kv_format import to_storage
+    from pagedserve import kernels
+    from pagedserve.kernels import native_rope_store
+    from pagedserve.kernels.kv_format import to_storage
     steps = prefix_then_decode_steps(seed=5, long_len=30, split=20, other_len=17)
     narrow = ModelRunner(load_config(tiny_dir), tiny_dir, torch.float32, "cpu", BLOCK_SIZE,
                          NUM_BLOCKS, kv_cache_dtype=cache_dtype)
@@ -247,7 +247,7 @@ def test_prefill_rows_through_the_native_decode_kernel_match_the_prefill_path(ti
     """On CPU the runner gives every prefill row its table and causal context, and attend runs
     them through the native decode kernel; the per-sequence prefill path must give the same
     logits: fresh prompts, a chunk after a cached prefix, and decode rows in the same step."""
-    import kernels
+    from pagedserve import kernels
     if not kernels.native_decode_rows(torch.zeros(1, 4, 16), torch.zeros(1, 16, 2, 16)):
         pytest.skip("the native decode kernel is not the CPU path here")
     steps = prefix_then_decode_steps(seed=11, long_len=40, split=17, other_len=23)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from test_worker_core import make_core, run_greedy
-from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
-from workers.testing import hf_greedy
+from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.workers.testing import hf_greedy
 
 PROMPTS = [
     "The capital of France is",

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native_linear_q8
+from pagedserve.kernels import native_linear_q8
 from test_model import all_row_logits
-from workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from workers.model_runner import ModelRunner, SeqStep
-from workers.models.layers import PackableLinear
-from workers.testing import make_tiny_llama
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.models.layers import PackableLinear
+from pagedserve.workers.testing import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not native_linear_q8.available(),
                                 reason="native kernels unavailable")

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.loader import load_config
-from workers.model_runner import ModelRunner, SeqStep
-from workers.models import layers
-from workers.models.layers import (PackableLinear, bf16_prepack_supported, prepack_linears,
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.models import layers
+from pagedserve.workers.models.layers import (PackableLinear, bf16_prepack_supported, prepack_linears,
                                    release_packed_weights)
-from workers.testing import make_tiny_llama
+from pagedserve.workers.testing import make_tiny_llama
 
 needs_bf16_packing = pytest.mark.skipif(
     not bf16_prepack_supported(), reason="this CPU's oneDNN has no bf16 inner product")

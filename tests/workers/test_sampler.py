@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from pipeline.sampling_params import SamplingParams
-from workers.sampler import Sampler
-from workers.sampling.draw import seeded_uniform
-from workers.sampling.penalties import apply_penalties, token_occurrences
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.sampling.draw import seeded_uniform
+from pagedserve.workers.sampling.penalties import apply_penalties, token_occurrences
 
 
 def run(logits, params, token_ids=None, num_prompt_tokens=None, sampler=None):

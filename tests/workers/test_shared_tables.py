@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvmanager import SharedBlockTables
-from pipeline.sampling_params import SamplingParams
-from pipeline.scheduler import Scheduler, SchedulerConfig
-from pipeline.sequence import Request
-from workers.loader import load_config
-from workers.model_runner import ModelRunner
-from workers.sampler import Sampler
-from workers.testing import make_tiny_llama
-from workers.worker_core import WorkerCore
+from pagedserve.kvmanager import SharedBlockTables
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
+from pagedserve.pipeline.sequence import Request
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.testing import make_tiny_llama
+from pagedserve.workers.worker_core import WorkerCore
 
 BLOCK_SIZE, MAX_MODEL_LEN, NUM_CPU_BLOCKS = 16, 256, 24
 
@@ -107,7 +107,7 @@ def test_an_abort_during_a_step_leaves_its_row_readable_until_the_step_is_over(t
 
 def test_a_row_without_blocks_is_a_clear_error(tiny_dir):
     runner = ModelRunner(load_config(tiny_dir), tiny_dir, torch.float32, "cpu", BLOCK_SIZE, 8)
-    from workers.model_runner import SeqStep
+    from pagedserve.workers.model_runner import SeqStep
     runner.shared_tables = np.full((4, 3), -1, np.int32)
     runner.shared_tables[2, 0] = 5
     with pytest.raises(ValueError, match="shared block table row 2 has no block at index 1"):

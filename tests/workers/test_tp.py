@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.messages import ScheduledSeq
+from pagedserve.pipeline.messages import ScheduledSeq
 from test_worker_core import empty_plan, make_core, run_greedy
-from workers.testing import hf_greedy, make_tiny_llama
-from workers.tp_launch import RankSpec, TPWorkers
+from pagedserve.workers.testing import hf_greedy, make_tiny_llama
+from pagedserve.workers.tp_launch import RankSpec, TPWorkers
 
 
 def test_tp2_matches_tp1_on_uneven_head_split(tmp_path):
@@ -60,7 +60,7 @@ def test_tp2_bf16_matches_tp1_bf16(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_matches_tp1_on_smollm2():
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     model_dir = resolve_model(DEFAULT_MODEL)
     tokenizer = load_tokenizer(model_dir)

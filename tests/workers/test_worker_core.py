@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
-from pipeline.sampling_params import SamplingParams
-from workers.loader import load_config
-from workers.model_runner import ModelRunner, SeqStep
-from workers.sampler import Sampler
-from workers.testing import hf_greedy, make_tiny_llama
-from workers.worker_core import WorkerCore, child_sampling
+from pagedserve.pipeline.messages import Fork, NewSeq, ScheduledSeq, StepPlan, StepResult
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.workers.loader import load_config
+from pagedserve.workers.model_runner import ModelRunner, SeqStep
+from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.testing import hf_greedy, make_tiny_llama
+from pagedserve.workers.worker_core import WorkerCore, child_sampling
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1000)

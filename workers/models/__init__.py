@@ -5,7 +5,7 @@ from torch import nn
 
 
 def model_class(architecture: str) -> type[nn.Module]:
-    from workers.models.llama import LlamaForCausalLM
+    from pagedserve.workers.models.llama import LlamaForCausalLM
 
     registry = {"llama": LlamaForCausalLM}
     try:

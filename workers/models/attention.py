@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-
-
+from pagedserve import kernels
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step tensors shared by every layer (built once per step by the model runner)."""

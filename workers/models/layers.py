@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native, native_elementwise, native_linear, native_linear_q8
-from pipeline.config import QUANTIZATIONS
-from workers.distributed import TPGroup
+from pagedserve.kernels import native, native_elementwise, native_linear, native_linear_q8
+from pagedserve.pipeline.config import QUANTIZATIONS
+from pagedserve.workers.distributed import TPGroup
 
 
 def even_split(n: int, parts: int, index: int) -> slice:

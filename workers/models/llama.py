@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native_rope_store
-from workers.distributed import TPGroup
-from workers.loader import ModelConfig
-from workers.models.attention import AttentionMetadata, attend, paged_attention
-from workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
+from pagedserve.kernels import native_rope_store
+from pagedserve.workers.distributed import TPGroup
+from pagedserve.workers.loader import ModelConfig
+from pagedserve.workers.models.attention import AttentionMetadata, attend, paged_attention
+from pagedserve.workers.models.layers import (MergedColumnParallelLinear, PackableLinear, QKVParallelLinear,
                                    RMSNorm, RotaryEmbedding, RowParallelLinear, even_split,
                                    native_cpu_elementwise, partition_heads, silu_and_mul)
 
