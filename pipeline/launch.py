@@ -87,10 +87,10 @@ class Supervisor:
     def __post_init__(self) -> None:
         cfg = self.config
         cfg.ipc.dist_init_addr = cfg.ipc.dist_init_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.children = [Child("scheduler", 0, "pagedserve.pipeline.scheduler_process")]
+        self.children = [Child("scheduler", 0, "pagedserve.pipeline.scheduler.process")]
         self.children += [Child("worker", r, "pagedserve.workers.worker_process")
                           for r in range(cfg.parallel.tensor_parallel_size)]
-        self.children.append(Child("detokenizer", 0, "pagedserve.pipeline.detokenizer_process"))
+        self.children.append(Child("detokenizer", 0, "pagedserve.pipeline.detokenizer.process"))
         if cfg.server.http:
             self.children.append(Child("ingress", 0, "pagedserve.pipeline.ingress"))
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)

@@ -15,7 +15,7 @@ import time
 from pagedserve.pipeline.messages import StepResult  # noqa: E402
 from pagedserve.pipeline.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from pagedserve.pipeline.sequence import Request  # noqa: E402
+from pagedserve.pipeline.scheduler.sequence import Request  # noqa: E402
 
 
 def fake_result(plan) -> StepResult:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
-from pagedserve.pipeline.sequence import Request, RequestState
+from pagedserve.pipeline.scheduler.sequence import Request, RequestState
 
 
 class RequestRejected(ValueError):

@@ -22,6 +22,9 @@ class SchedulerConfig:
     swap_threshold_tokens: int | None = None
     policy: str = "fcfs"
     watermark: float = 0.01  # fraction of device blocks kept free when admitting
+    # Steady decodes travel as the plan's decode columns (scheduler/plan.py). False plans every
+    # sequence through the general path: the same plans in another encoding, for tests.
+    decode_lanes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -5,7 +5,7 @@ the sequence admitted last is the first to go.
 """
 from __future__ import annotations
 
-from pagedserve.pipeline.sequence import Sequence
+from pagedserve.pipeline.scheduler.sequence import Sequence
 
 
 class FCFSPolicy:

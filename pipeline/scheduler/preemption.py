@@ -1,7 +1,7 @@
 """Preemption: which running sequence to push out, and whether to swap or recompute it.
 
-The victim is the running sequence with the largest policy key not yet planned this step; the
-functions at the end take the Scheduler, whose state they change (as recovery.py does).
+The victim is the running sequence with the largest policy key not yet planned this step
+(`pick_victim`); the Scheduler moves it out (its `_preempt`).
 
 Swap or recompute, by a cost model (seconds to get a preempted sequence of T tokens back to
 where it was):
@@ -24,20 +24,12 @@ about 210 tokens: ``auto`` recomputes sequences shorter than that and swaps the 
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pagedserve.pipeline.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from pagedserve.pipeline.scheduler.decode import PlanBuilder
-    from pagedserve.pipeline.scheduler.scheduler import Scheduler
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
-WAITING = SequenceStatus.WAITING
-SWAPPED = SequenceStatus.SWAPPED
 SWAP = "swap"
 RECOMPUTE = "recompute"
 
@@ -90,69 +82,14 @@ class PreemptionChooser:
         return SWAP if num_tokens >= self.swap_threshold_tokens else RECOMPUTE
 
 
-# ---------------------------------------------------------------- making room: victims
-
-def reserve_or_preempt(sched: Scheduler, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
-    """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
-    returning False) when the pool is short."""
-    while not sched._grow(seq, num_new, b):
-        victim = pick_victim(sched, b.step_id)
-        preempt(sched, victim, b)
-        if victim is seq:
-            return False
-    return True
-
-
-def pick_victim(sched: Scheduler, step_id: int) -> Sequence:
-    """The running sequence not yet scheduled this step with the largest policy key."""
-    key = sched.policy.key
+def pick_victim(candidates, key, step_id: int) -> Sequence | None:
+    """Among running sequences (an iterable of lists), the one not yet planned this step with
+    the largest policy key: the latest admitted under the policy goes first."""
     best, best_key = None, None
-    for seqs in (sched.running, sched.prefilling):
+    for seqs in candidates:
         for seq in seqs:
             if seq.status is RUNNING and seq.last_step != step_id:
                 k = key(seq)
                 if best_key is None or k > best_key:
                     best, best_key = seq, k
-    if best is None:
-        raise RuntimeError("no sequence left to preempt; the caller should have been a candidate")
     return best
-
-
-def preempt_for_waiting(sched: Scheduler, b: PlanBuilder) -> None:
-    """Let the waiting head push out running sequences it outranks when blocks are short."""
-    while sched.waiting and sched.waiting[0][1].status is not WAITING:
-        heapq.heappop(sched.waiting)
-    if not sched.waiting:
-        return
-    head = sched.waiting[0][1]
-    tokens = head.token_ids
-    cached = (sched.kv.lookup_prefix(tokens, head.request.cache_salt)
-              if sched.config.enable_prefix_caching else 0)
-    need = min(len(tokens) - cached, sched.config.max_num_batched_tokens)
-    while not sched.kv.can_allocate(need, num_cached_tokens=cached):
-        victim = pick_victim(sched, b.step_id) if sched.num_running else None
-        if victim is None or not sched.policy.may_preempt(head, victim):
-            return
-        preempt(sched, victim, b)
-
-
-def preempt(sched: Scheduler, seq: Sequence, b: PlanBuilder) -> None:
-    """Push a running sequence out: to the host pool or back to the waiting queue."""
-    kv = sched.kv
-    sched._sync_kv(seq)
-    can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
-    sched.num_preemptions += 1
-    sched._remove_running(seq)
-    seq.preempted_step = b.step_id
-    seq.needs_full_send = True  # swap-in and recompute both change its block table
-    seq.lane_cap = -1
-    if sched.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
-        b.swap_out.extend(kv.swap_out(seq.seq_id))
-        seq.status = SWAPPED
-        sched.num_swapped += 1
-        heapq.heappush(sched.swapped, (sched.policy.key(seq), seq))
-    else:
-        kv.free(seq.seq_id)
-        seq.num_computed_tokens = seq.num_reserved_tokens = seq.num_kv_tokens = 0
-        seq.shared_tail = False
-        sched._push_waiting(seq)

@@ -9,22 +9,30 @@ Each step, in this order:
   3. swapped sequences come back (not in a step that swapped some out);
   4. waiting sequences are admitted in policy order while the sequence cap, the token budget and
      free blocks (above the watermark) allow; prefix-cache hits are not recomputed.
+
+The Scheduler owns its state: the queues, the requests and their sequences, the counters. Its
+helpers receive narrow collaborators and return decisions - `admission` (checks a request),
+`policy` (orders), `preemption` (swap or recompute, which victim), `slots` (a sequence's
+KV slots against the KV manager's), `plan` (the plan's encoding), `results` (reads a result
+back into the planned sequences) - and never see the Scheduler.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 
-from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult
-from pagedserve.pipeline.scheduler.decode import PlanBuilder, apply_result, schedule_running
+from pagedserve.pipeline.messages import (Fork, NewSeq, ScheduledSeq, SharedTables, StepPlan,
+                                          StepResult)
 from pagedserve.pipeline.scheduler.admission import RequestRejected, admit_request
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
-from pagedserve.pipeline.scheduler.emit import emit
+from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.policy import make_policy
-from pagedserve.pipeline.scheduler.preemption import (PreemptionChooser, preempt_for_waiting,
-                                           reserve_or_preempt)
-from pagedserve.pipeline.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request, RequestState,
-                               Sequence, SequenceOutput, SequenceStatus, StepOutputs)
+from pagedserve.pipeline.scheduler.preemption import SWAP, PreemptionChooser, pick_victim
+from pagedserve.pipeline.scheduler.results import advance
+from pagedserve.pipeline.scheduler.slots import can_swap_in, grow, sync_kv
+from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request,
+                                                    RequestState, Sequence, SequenceOutput,
+                                                    SequenceStatus, StepOutputs)
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -128,9 +136,38 @@ class Scheduler:
         return self._finish_request(request_id, STATUS_FOR_REASON[reason], index)
 
     def reset_device_state(self) -> int:
-        """The workers lost their KV cache: recompute every live sequence (see recovery.py)."""
-        from pagedserve.pipeline.scheduler.recovery import requeue_for_recompute
-        return requeue_for_recompute(self)
+        """The workers lost their KV cache (a rank died, hung or raised): forget the device
+        pool and queue the sequences that lived there for recompute.
+
+        The host swap pool lives in shared memory and survives the workers: sequences swapped
+        out by completed steps stay swapped and come back by swap-in. Sequences swapped out by
+        the step that was lost (its copies may never have happened) are recomputed, as is every
+        sequence that was on the device. A recomputed sequence keeps its prompt and generated
+        tokens, is sent to the workers in full again, and samples only once it has caught up:
+        streams resume where they stopped. Returns how many sequences will be recomputed.
+        """
+        kv, lost = self.kv, self._inflight
+        unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
+        dropped = set(kv.drop_device_pool(unreliable))
+        self._inflight = None
+        self._finished_seq_ids = []
+        live = [s for s in self.seqs.values() if not s.is_finished]
+        self.waiting, self.swapped, self.running, self.prefilling = [], [], [], []
+        self.num_running = self.num_swapped = self.num_waiting = self.num_unforked = 0
+        for seq in live:
+            seq.workers_reset()
+            if seq.seq_id in kv and seq.seq_id not in dropped:  # swapped out, host copy intact
+                seq.status = SWAPPED
+                self.num_swapped += 1
+                self.swapped.append((self.policy.key(seq), seq))
+            else:
+                seq.drop_kv()
+                seq.status = WAITING
+                self.num_waiting += 1
+                self.waiting.append((self.policy.key(seq), seq))
+        heapq.heapify(self.waiting)
+        heapq.heapify(self.swapped)
+        return self.num_waiting
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -154,10 +191,10 @@ class Scheduler:
         b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
         if self.policy.preempts_for_waiting and self.waiting and self.num_running:
-            preempt_for_waiting(self, b)
+            self._preempt_for_waiting(b)
         new_running = self._spare_running  # empty
         new_prefilling: list[Sequence] = []
-        schedule_running(self, b, new_running)
+        self._schedule_running(b, new_running)
         self._schedule_prefilling(b, new_running, new_prefilling)
         if self.swapped and not b.swap_out:
             self._schedule_swapped(b, new_running, new_prefilling)
@@ -171,15 +208,85 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
-        return StepPlan(b.step_id, b.new_seqs, b.scheduled, b.swap_out, b.swap_in, b.copy,
-                        b.forks, finished, self._shared_tables, b.lane_ids, b.lane_tokens,
-                        b.lane_blocks)
+        return b.build(finished, self._shared_tables)
 
-    def _schedule_one_running(self, seq: Sequence, b: PlanBuilder, keep) -> None:
-        """The general path for a running sequence: may preempt, resend or compute several."""
+    def _schedule_running(self, b: PlanBuilder, new_running: list[Sequence]) -> None:
+        """One token for every decoding sequence, in running order; fills `new_running` (the
+        running list from this step on). A sequence at or under its lane_cap is a lane: a few
+        attribute writes put it in the decode columns, its token counted as computed at once
+        (nothing reads the count before the result is back, and a lost step recomputes
+        everything). Every other sequence is planned by `_schedule_off_lane` at the same point
+        in the order, so plans are what the general path gives."""
+        keep = new_running.append
+        lanes = b.lanes
+        add_lane, add_lane_token = lanes.append, b.lane_tokens.append
+        add_fill = b.lane_fills.append
+        bs, step_id = self.block_size, b.step_id
+        caching = self.config.enable_prefix_caching
+        budget = b.budget
+        for seq in self.running:
+            tokens = seq.token_ids
+            n = len(tokens)
+            if n > seq.lane_cap or budget <= 0:  # not a lane (a finished or preempted one's is -1)
+                b.budget = budget
+                is_lane = self._schedule_off_lane(seq, b, keep)
+                budget = b.budget
+                if not is_lane:
+                    continue
+            add_lane(seq)
+            add_lane_token(tokens[-1])
+            seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
+            seq.last_step = step_id
+            if caching and not n % bs:
+                add_fill(seq)
+            budget -= 1
+            keep(seq)
+        b.budget = budget
+        b.lane_ids = [seq.seq_id for seq in lanes]
+
+    def _schedule_off_lane(self, seq: Sequence, b: PlanBuilder, keep) -> bool:
+        """A running sequence past its lane_cap (or with no budget left): skipped if it finished
+        or was preempted meanwhile, else planned here. True when it is a lane after all, for
+        the caller to add to the decode columns.
+
+        A decode whose slot needs a new block takes it from `reserve_slots` (a shared last block
+        or a short pool fails that) and is a lane too, its block in decode_new_blocks, unless
+        the token it samples may end it by length. Anything else (no budget, a recompute
+        catching up, a resend, a copy-on-write, preemptions) takes the general path."""
+        if seq.status is not RUNNING:
+            return False  # finished or preempted since
+        n = len(seq.token_ids)
+        if (not self.config.decode_lanes or seq.num_computed_tokens + 1 != n
+                or seq.num_reserved_tokens >= n or seq.needs_full_send or b.budget <= 0):
+            self._schedule_general(seq, b, keep)
+            return False
+        bs = self.block_size
+        if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
+            new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+        else:
+            new_blocks = self.kv.reserve_slots(seq.seq_id, n)
+            if new_blocks is None:  # its last block is shared, or the pool is short
+                self._schedule_general(seq, b, keep)
+                return False
+            seq.num_kv_tokens = n
+            seq.shared_tail = False
+            seq.num_blocks_sent += len(new_blocks)
+        seq.num_reserved_tokens = n
+        if not (new_blocks and seq.num_tokens_sent + 1 == n
+                and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
+            self._plan_tokens(seq, 1, new_blocks, b)
+            keep(seq)
+            return False
+        seq.num_tokens_sent = n  # a lane that opens a new block: on with the lanes
+        b.add_lane_blocks(new_blocks)
+        seq.lane_cap = lane_cap(seq, bs)
+        return True
+
+    def _schedule_general(self, seq: Sequence, b: PlanBuilder, keep) -> None:
+        """A running sequence the general way: may preempt, resend or compute several."""
         num_new = min(len(seq.token_ids) - seq.num_computed_tokens, b.budget)
-        if num_new > 0 and reserve_or_preempt(self, seq, num_new, b):
-            emit(self, seq, num_new, b)
+        if num_new > 0 and self._reserve_or_preempt(seq, num_new, b):
+            self._emit(seq, num_new, b)
         if seq.status is RUNNING:
             keep(seq)
 
@@ -191,8 +298,8 @@ class Scheduler:
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
             if chunk and (chunk == remaining or self.config.enable_chunked_prefill) \
-                    and reserve_or_preempt(self, seq, chunk, b):
-                emit(self, seq, chunk, b)
+                    and self._reserve_or_preempt(seq, chunk, b):
+                self._emit(seq, chunk, b)
                 (new_running if chunk == remaining else new_prefilling).append(seq)
             elif seq.status is RUNNING:
                 new_prefilling.append(seq)
@@ -200,20 +307,18 @@ class Scheduler:
     def _schedule_swapped(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
         kv = self.kv
-        max_num_seqs = self.config.max_num_seqs
-        while (self.swapped and b.budget
-               and self.num_running + self.num_unforked < max_num_seqs):
+        while self.swapped and b.budget and self._room_for(1):
             seq = self.swapped[0][1]
             if seq.status is not SWAPPED:
                 heapq.heappop(self.swapped)
                 continue
-            if self._num_slots(seq) > max_num_seqs - self.num_running - self.num_unforked:
+            if not self._room_for(seq.request.num_seq_slots):
                 break  # a parent swapped out before its samples forked
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
             if not self.config.enable_chunked_prefill and chunk < remaining:
                 chunk = 0
-            if not self._can_swap_in(seq, chunk):
+            if not can_swap_in(seq, chunk, self.kv, self.num_watermark_blocks):
                 break
             heapq.heappop(self.swapped)
             b.swap_in.extend(kv.swap_in(seq.seq_id))
@@ -222,31 +327,20 @@ class Scheduler:
             seq.needs_full_send = True  # its block ids changed
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
-            if chunk and self._grow(seq, chunk, b):
-                emit(self, seq, chunk, b)
+            if chunk and grow(seq, chunk, self.kv, b.copy):
+                self._emit(seq, chunk, b)
             (new_running if chunk == remaining else new_prefilling).append(seq)
-
-    def _can_swap_in(self, seq: Sequence, chunk: int) -> bool:
-        """Room above the watermark for its blocks and for the ones its next chunk adds, so a
-        swapped-in sequence can run at once instead of being pushed straight back out."""
-        kv, bs = self.kv, self.block_size
-        if not kv.can_swap_in(seq.seq_id):
-            return False
-        held = -(-seq.num_reserved_tokens // bs)
-        grow = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - held)
-        return kv.num_free_blocks - held - grow >= self.num_watermark_blocks
 
     def _schedule_waiting(self, b: PlanBuilder, new_running: list[Sequence],
                           new_prefilling: list[Sequence]) -> None:
-        max_num_seqs = self.config.max_num_seqs
-        while self.waiting and b.budget and self.num_running + self.num_unforked < max_num_seqs:
+        while self.waiting and b.budget and self._room_for(1):
             seq = self.waiting[0][1]
             if seq.status is not WAITING:
                 heapq.heappop(self.waiting)
                 continue
             if seq.preempted_step == b.step_id:
                 break  # pushed out this very step: admitting it back would thrash
-            if self._num_slots(seq) > max_num_seqs - self.num_running - self.num_unforked:
+            if not self._room_for(seq.request.num_seq_slots):
                 break  # its samples will fork into sequences of their own
             done = self._admit(seq, b)
             if done is None:
@@ -280,43 +374,119 @@ class Scheduler:
             req.queued = False
             self.num_queued_requests -= 1
             self.prompt_tokens += req.num_prompt_tokens
-        emit(self, seq, chunk, b)
+        self._emit(seq, chunk, b)
         return got + chunk == total
 
-    # ------------------------------------------------------------------ blocks
+    # ------------------------------------------------------------------ plan entries
 
-    def _grow(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
-        """Hold slots up to num_computed + num_new; False (nothing changed) if blocks are short."""
-        needed = seq.num_computed_tokens + num_new
-        if needed <= seq.num_reserved_tokens:
-            return True
-        bs = self.block_size
-        if not seq.shared_tail and needed <= -(-seq.num_kv_tokens // bs) * bs:
-            seq.num_reserved_tokens = needed  # inside its own last block: reported lazily
-            return True
-        cow = self.kv.append_slots(seq.seq_id, needed - seq.num_kv_tokens)
-        if cow is None:
-            return False
-        self._grew(seq, needed, cow, b)
+    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
+        """Plan `seq` computing `num_tokens`, sending only what the workers lack."""
+        sid, tokens = seq.seq_id, seq.token_ids
+        if seq.needs_full_send:
+            block_ids = self.kv.block_table(sid)
+            npr = seq.num_prompt_tokens
+            b.add_full(seq, NewSeq(sid, tokens[:npr], tokens[npr:],
+                                   seq.request.sampling.for_sample(seq.index), block_ids,
+                                   seq.num_computed_tokens, self.kv.row_of(sid)), num_tokens)
+            seq.needs_full_send = False
+            seq.num_blocks_sent = len(block_ids)
+            seq.num_tokens_sent = len(tokens)
+            self._planned(seq, num_tokens, b)
+            return
+        num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
+        new_blocks = NO_BLOCKS
+        if num_blocks > seq.num_blocks_sent:
+            new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
+            seq.num_blocks_sent = num_blocks
+        self._plan_tokens(seq, num_tokens, new_blocks, b)
+
+    def _plan_tokens(self, seq: Sequence, num_tokens: int, new_blocks: list[int],
+                     b: PlanBuilder) -> None:
+        """A ScheduledSeq with the tokens and blocks the workers have not seen yet."""
+        tokens, sent = seq.token_ids, seq.num_tokens_sent
+        unsent = [tokens[sent]] if sent + 1 == len(tokens) else tokens[sent:]
+        b.add_scheduled(seq, ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent))
+        seq.num_tokens_sent = len(tokens)
+        self._planned(seq, num_tokens, b)
+
+    def _planned(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
+        seq.step_tokens = num_tokens
+        seq.last_step = b.step_id
+        if seq.num_computed_tokens + num_tokens < len(seq.token_ids):
+            seq.lane_cap = -1  # mid-prefill: it samples nothing this step
+            return
+        if not seq.request.forked:
+            self._fork_samples(seq, b)
+        seq.lane_cap = lane_cap(seq, self.block_size) if self.config.decode_lanes else -1
+
+    def _fork_samples(self, parent: Sequence, b: PlanBuilder) -> None:
+        """The step that completes the parent's prompt: its n - 1 siblings share every block
+        and sample from the same logits."""
+        req = parent.request
+        req.forked = True
+        sync_kv(parent, self.kv)
+        parent.shared_tail = True
+        children = []
+        for index in range(1, req.sampling.n):
+            child = self._new_seq(req, index, parent.token_ids[:])
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.fork_from(parent, b.step_id)
+            children.append(child)
+        self.num_running += len(children)
+        self.num_unforked -= len(children)
+        rows = [self.kv.row_of(c.seq_id) for c in children] if self._shared_tables else []
+        b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children], rows))
+        b.fork_children.extend(children)
+
+    # ------------------------------------------------------------------ blocks and preemption
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
+        """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
+        returning False) when the pool is short."""
+        while not grow(seq, num_new, self.kv, b.copy):
+            victim = pick_victim((self.running, self.prefilling), self.policy.key, b.step_id)
+            if victim is None:
+                raise RuntimeError(f"seq {seq.seq_id} is short of blocks and no sequence is left "
+                                   "to preempt, itself included")
+            self._preempt(victim, b)
+            if victim is seq:
+                return False
         return True
 
-    @staticmethod
-    def _grew(seq: Sequence, needed: int, cow: list[tuple[int, int]], b: PlanBuilder) -> None:
-        seq.num_reserved_tokens = seq.num_kv_tokens = needed
-        seq.shared_tail = False
-        if cow:
-            b.copy.extend(cow)
-            seq.needs_full_send = True  # a block in its table was replaced
+    def _preempt_for_waiting(self, b: PlanBuilder) -> None:
+        """Let the waiting head push out running sequences it outranks when blocks are short."""
+        while self.waiting and self.waiting[0][1].status is not WAITING:
+            heapq.heappop(self.waiting)
+        if not self.waiting:
+            return
+        head = self.waiting[0][1]
+        tokens = head.token_ids
+        cached = (self.kv.lookup_prefix(tokens, head.request.cache_salt)
+                  if self.config.enable_prefix_caching else 0)
+        need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
+        while not self.kv.can_allocate(need, num_cached_tokens=cached):
+            victim = pick_victim((self.running, self.prefilling), self.policy.key, b.step_id)
+            if victim is None or not self.policy.may_preempt(head, victim):
+                return
+            self._preempt(victim, b)
 
-    def _sync_kv(self, seq: Sequence) -> None:
-        """Report lazily held slots to the manager (they never need a block or a copy)."""
-        lag = seq.num_reserved_tokens - seq.num_kv_tokens
-        if lag:
-            cow = self.kv.append_slots(seq.seq_id, lag)
-            if cow is None or cow:
-                raise RuntimeError(f"seq {seq.seq_id}: lazily held slots needed a block or a "
-                                   f"copy ({cow}); the slot bookkeeping is wrong")
-            seq.num_kv_tokens = seq.num_reserved_tokens
+    def _preempt(self, seq: Sequence, b: PlanBuilder) -> None:
+        """Push a running sequence out: to the host pool or back to the waiting queue."""
+        kv = self.kv
+        sync_kv(seq, self.kv)
+        can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
+        self.num_preemptions += 1
+        self._remove_running(seq)
+        seq.preempted(b.step_id)
+        if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
+            b.swap_out.extend(kv.swap_out(seq.seq_id))
+            seq.status = SWAPPED
+            self.num_swapped += 1
+            heapq.heappush(self.swapped, (self.policy.key(seq), seq))
+        else:
+            kv.free(seq.seq_id)
+            seq.drop_kv()
+            self._push_waiting(seq)
 
     # ------------------------------------------------------------------ results
 
@@ -329,7 +499,15 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
         self._inflight = None
-        outputs = apply_result(self, b, result)
+        outputs, pending = advance(b, result, self.kv, block_size=self.block_size,
+                                   caching=self.config.enable_prefix_caching,
+                                   stop_id_union=self.stop_id_union)
+        if pending:
+            # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
+            # go back to the pool in the same order either way.
+            pending.sort(key=_seq_id_of_sampled)
+            outputs.others = [self._finish_sampled(seq, token, row, result)
+                              for seq, token, row in pending]
         self.generation_tokens += len(outputs)
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)
@@ -353,22 +531,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    @staticmethod
-    def _num_slots(seq: Sequence) -> int:
-        """Sequences it counts for under max_num_seqs: a parent whose samples have not forked
-        yet holds room for them all."""
-        req = seq.request
-        return 1 if req.forked else req.sampling.n
+    def _room_for(self, num_seqs: int) -> bool:
+        """num_seqs more sequences fit under max_num_seqs, counting samples not yet forked."""
+        return self.num_running + self.num_unforked + num_seqs <= self.config.max_num_seqs
 
     def _add_running(self, seq: Sequence) -> None:
         seq.status = RUNNING
         self.num_running += 1
-        self.num_unforked += self._num_slots(seq) - 1
+        self.num_unforked += seq.request.num_seq_slots - 1
 
     def _remove_running(self, seq: Sequence) -> None:
         """Before `seq` leaves RUNNING (preempted or finished)."""
         self.num_running -= 1
-        self.num_unforked -= self._num_slots(seq) - 1
+        self.num_unforked -= seq.request.num_seq_slots - 1
 
     def _new_seq(self, req: RequestState, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, token_ids)
@@ -424,3 +599,7 @@ class Scheduler:
             outputs.append(SequenceOutput(request_id, seq.index, [], FINISH_REASONS[status], done,
                                           offset=len(seq.token_ids) - seq.num_prompt_tokens))
         return outputs
+
+
+def _seq_id_of_sampled(item: tuple[Sequence, int, int]) -> int:
+    return item[0].seq_id

@@ -35,8 +35,8 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         roles = [" ".join(c.cmdline()) for c in launcher.children()]
         # scheduler, 2 workers, detokenizer (+ this test process as the client)
         assert sum("pagedserve.workers.worker_process" in r for r in roles) == 2
-        assert sum("pagedserve.pipeline.scheduler_process" in r for r in roles) == 1
-        assert sum("pagedserve.pipeline.detokenizer_process" in r for r in roles) == 1
+        assert sum("pagedserve.pipeline.scheduler.process" in r for r in roles) == 1
+        assert sum("pagedserve.pipeline.detokenizer.process" in r for r in roles) == 1
         outs = llm.generate(ids, params)
     for out, exp, prompt in zip(outs, expected, PROMPTS):
         assert out.outputs[0].token_ids == exp, prompt

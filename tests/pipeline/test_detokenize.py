@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.pipeline.detokenize import MAX_HELD_INVALID, IncrementalDetokenizer
+from pagedserve.pipeline.detokenizer.incremental import MAX_HELD_INVALID, IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello, world!",

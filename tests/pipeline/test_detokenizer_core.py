@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.pipeline.detokenizer_core import DetokenizerCore
+from pagedserve.pipeline.detokenizer.core import DetokenizerCore
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 TEXT = "The quick brown fox says 你好 🦀 and then stops. Done!"

@@ -4,7 +4,7 @@ import pytest
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, SchedulerConfig
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import drive, expected_tokens, make_scheduler, step
 
 EOS = 2

@@ -1,6 +1,6 @@
 """A long prompt arriving while 8 sequences decode is chunked around them."""
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import expected_tokens, make_scheduler, step
 
 

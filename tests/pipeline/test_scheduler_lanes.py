@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
-from pagedserve.pipeline.sequence import Request, SequenceOutput, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Request, SequenceOutput, StepOutputs
 from sched_fakes import expected_tokens, make_scheduler, step
 
 

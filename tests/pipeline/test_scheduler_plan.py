@@ -5,7 +5,7 @@ import msgspec
 
 from pagedserve.pipeline.messages import StepPlan, StepResult
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import brief, expected_tokens, make_scheduler, plan_shape, step
 
 

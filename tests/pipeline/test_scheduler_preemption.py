@@ -5,7 +5,7 @@ import pytest
 
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import drive, expected_tokens, make_scheduler, step
 
 LOW_PROMPT = list(range(1, 13))  # 3 blocks of 4

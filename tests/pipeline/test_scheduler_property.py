@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import RequestRejected
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import expected_tokens, make_scheduler
 
 EOS = 7

@@ -4,7 +4,7 @@ exactly the tokens of an undisturbed run."""
 from __future__ import annotations
 
 from pagedserve.pipeline.sampling_params import SamplingParams
-from pagedserve.pipeline.sequence import Request, SequenceStatus
+from pagedserve.pipeline.scheduler.sequence import Request, SequenceStatus
 from tests.pipeline.sched_fakes import expected_tokens, make_scheduler
 
 

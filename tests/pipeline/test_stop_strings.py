@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.pipeline.stop_strings import StopStringMatcher
+from pagedserve.pipeline.detokenizer.stop_strings import StopStringMatcher
 
 
 def run(stops, deltas, include=False, flush=True):

@@ -6,9 +6,9 @@ import msgpack
 import msgspec
 
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.detokenizer_process import DetokenizerService
+from pagedserve.pipeline.detokenizer.process import DetokenizerService
 from pagedserve.pipeline.sampling_params import SamplingParams
-from pagedserve.pipeline.scheduler_service import SchedulerService
+from pagedserve.pipeline.scheduler.service import SchedulerService
 from sched_fakes import make_scheduler
 from test_detokenizer_core import ids_of, tokenizer
 

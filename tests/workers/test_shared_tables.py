@@ -14,7 +14,7 @@ import torch
 from pagedserve.kvmanager import SharedBlockTables
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
-from pagedserve.pipeline.sequence import Request
+from pagedserve.pipeline.scheduler.sequence import Request
 from pagedserve.workers.loader import load_config
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.sampler import Sampler

@@ -1,4 +1,4 @@
-"""Detokenizer role: `python -m pagedserve.pipeline.detokenizer_process --config-json ...`.
+"""Detokenizer role: `python -m pagedserve.pipeline.detokenizer.process --config-json ...`.
 
 Thin glue: TokenBatch from the scheduler -> DetokenizerCore -> TextDelta batches to the client
 that owns each request (ROUTER, by identity); a stop string found -> StopMatched to the
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagedserve.pipeline import ipc, messages
-from pagedserve.pipeline.detokenizer_core import DetokenizerCore
+from pagedserve.pipeline.detokenizer.core import DetokenizerCore
 from pagedserve.pipeline.faults import FaultInjector
 from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 

@@ -1,4 +1,4 @@
-"""Scheduler role: `python -m pagedserve.pipeline.scheduler_process --config-json ...`.
+"""Scheduler role: `python -m pagedserve.pipeline.scheduler.process --config-json ...`.
 
 Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall, heartbeats), a ROUTER for the
 worker ranks (Reset and StepPlan out to every rank, WorkerReady and StepResult back), a PULL
@@ -29,7 +29,7 @@ from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.faults import FaultInjector
 from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
-from pagedserve.pipeline.scheduler_service import SchedulerService
+from pagedserve.pipeline.scheduler.service import SchedulerService
 
 log = setup_logging("scheduler")
 IDLE_POLL_MS = 1000

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pagedserve.pipeline.detokenize import IncrementalDetokenizer, special_token_ids
+from pagedserve.pipeline.detokenizer.incremental import IncrementalDetokenizer, special_token_ids
 from pagedserve.pipeline.sampling_params import SamplingParams
-from pagedserve.pipeline.stop_strings import StopStringMatcher
+from pagedserve.pipeline.detokenizer.stop_strings import StopStringMatcher
 
 
 @dataclass(slots=True)

@@ -82,6 +82,12 @@ class RequestState:
         self.forked = sampling.n == 1  # nothing to fork for a single sample
         self.queued = True  # counted against max_queued_requests until first admitted
 
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequences a running sample counts for under max_num_seqs: a parent whose samples
+        have not forked yet holds room for them all."""
+        return 1 if self.forked else self.sampling.n
+
 
 class Sequence:
     """One sample's state. Cheap attribute access matters: thousands are touched every step."""
@@ -116,8 +122,41 @@ class Sequence:
         self.last_step = -1  # last step that scheduled it
         self.preempted_step = -1  # not re-admitted in the step that pushed it out
         # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
-        # plan's decode columns (scheduler/decode.py, lane_cap()); -1: take the general path.
+        # plan.s decode columns (scheduler/plan.py, lane_cap()); -1: take the general path.
         self.lane_cap = -1
+
+    # State changes shared by several of the scheduler's paths. (The hot loops write the
+    # fields directly: a method call per sequence per step would show in the cycle time.)
+    def drop_kv(self) -> None:
+        """Its KV is gone (freed, or lost with the workers): it recomputes from the start."""
+        self.num_computed_tokens = self.num_reserved_tokens = self.num_kv_tokens = 0
+        self.shared_tail = False
+
+    def preempted(self, step_id: int) -> None:
+        """Pushed out in step `step_id`: it comes back with a new block table, sent in full."""
+        self.preempted_step = step_id
+        self.needs_full_send = True
+        self.lane_cap = -1
+
+    def workers_reset(self) -> None:
+        """The workers hold nothing for it any more (their group restarted)."""
+        self.num_tokens_sent = self.num_blocks_sent = self.step_tokens = 0
+        self.needs_full_send = True
+        self.preempted_step = -1
+        self.lane_cap = -1
+
+    def fork_from(self, parent: Sequence, step_id: int) -> None:
+        """A sample forked from `parent` on the step that completes its prompt: it shares the
+        parent's blocks, and the workers copy the parent's state, so nothing is sent for it."""
+        self.parent_id = parent.seq_id
+        self.status = SequenceStatus.RUNNING
+        self.num_computed_tokens = parent.num_computed_tokens + parent.step_tokens
+        self.num_reserved_tokens = self.num_kv_tokens = parent.num_reserved_tokens
+        self.shared_tail = True
+        self.needs_full_send = False
+        self.num_tokens_sent = parent.num_tokens_sent
+        self.num_blocks_sent = parent.num_blocks_sent
+        self.last_step = step_id
 
     # Convenience views; the hot paths use token_ids / num_prompt_tokens directly.
     @property

@@ -1,7 +1,7 @@
 """What the scheduler process does with each message, without sockets.
 
 `SchedulerService` turns client messages into `Scheduler` calls and scheduler outputs into
-messages; the process module (`pagedserve.pipeline.scheduler_process`) only moves frames. Every `send_*`
+messages; the process module (`pagedserve.pipeline.scheduler.process`) only moves frames. Every `send_*`
 is injected, so tests drive this with plain lists.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from operator import attrgetter
 
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, Scheduler
-from pagedserve.pipeline.sequence import Request, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Request, StepOutputs
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests

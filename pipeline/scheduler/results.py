@@ -1,0 +1,131 @@
+"""Reading a step's result back into the sequences the plan handed to the workers.
+
+`advance` appends each planned sequence's sampled token, counts the tokens it computed, makes
+the blocks that filled up findable in the prefix cache, and sorts the samples into the plain
+ones (one token, no logprobs, cannot stop: returned as StepOutputs' columns) and the ones the
+scheduler must look at (stop ids, max_tokens, logprobs, fork children). It changes only the
+planned sequences and the KV manager's prefix cache; finishing is the scheduler's.
+
+Two loops, one meaning: `_advance_lanes` is the common case of the decode columns (every lane
+still running, rows where the plan put them, nothing to pass on but the tokens), done with one
+C-level map; `_advance_each` is everything else, lanes included, one sequence at a time.
+Blocks are committed in sequence-id order whichever loop ran, so the prefix cache does not
+depend on the plan's encoding.
+"""
+from __future__ import annotations
+
+from collections import deque
+from operator import attrgetter, itemgetter
+
+from pagedserve.pipeline.messages import StepResult
+from pagedserve.pipeline.scheduler.plan import PlanBuilder, ResultRows
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus, StepOutputs
+
+RUNNING = SequenceStatus.RUNNING
+_TOKEN_IDS = attrgetter("token_ids")
+_FIRST = itemgetter(0)
+
+# (sequence, its sampled token, its row in the result) for the scheduler to apply stop rules to
+Sampled = tuple[Sequence, int, int]
+
+
+def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching: bool,
+            stop_id_union: set[int]) -> tuple[StepOutputs, list[Sampled]]:
+    """The plain outputs as columns, and the samples the scheduler must finish or pass on.
+    `stop_id_union` holds every stop id of every request: a step of lanes none of whose
+    tokens is in it stops nothing."""
+    rows = ResultRows(result)
+    lanes = b.lanes
+    out = StepOutputs([], [], [])
+    pending: list[Sampled] = []
+    fills: list[tuple[int, list[int], int, int]] = []  # (seq_id, tokens, slots held, computed)
+    plain = result.logprobs is None and result.top_logprobs is None
+    if plain and not b.num_finished and result.seq_ids[:len(lanes)] == b.lane_ids:
+        _advance_lanes(b, result.token_ids, out, pending, fills if caching else None,
+                       stop_id_union)
+    else:  # logprobs to pass on, rows out of order, or lanes finished meanwhile
+        _advance_each(lanes, rows, 0, True, plain, out, pending, block_size,
+                      fills if caching else None)
+    _advance_each(b.seqs, rows, len(lanes), False, plain, out, pending, block_size,
+                  fills if caching else None)
+    for seq in b.fork_children:
+        if seq.status is RUNNING:
+            row = rows.find(seq.seq_id)
+            token = result.token_ids[row]
+            seq.token_ids.append(token)
+            pending.append((seq, token, row))
+    if fills:
+        fills.sort(key=_FIRST)
+        kv.commit_blocks(fills)
+    return out, pending
+
+
+def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
+                   pending: list[Sampled], fills: list | None, stop_id_union: set[int]) -> None:
+    """Every lane is still running and its row is where the plan put it (the first len(lanes)
+    rows). Each lane's token was counted as computed when it was planned, and a lane cannot
+    reach max_tokens: what is left is appending the sampled tokens (in C, by map), noting the
+    blocks that filled up, and setting aside lanes that sampled one of their stop ids. The
+    output columns are the lanes list itself and the rows' tokens."""
+    lanes = b.lanes
+    num_lanes = len(lanes)
+    deque(map(list.append, map(_TOKEN_IDS, lanes), token_ids), 0)
+    if fills is not None:
+        for seq in b.lane_fills:  # the slots of the filled block may have been held lazily
+            seq.num_kv_tokens = new = seq.num_computed_tokens
+            fills.append((seq.seq_id, seq.token_ids, new, new))
+    tokens = token_ids[:num_lanes]
+    if stop_id_union.isdisjoint(tokens):
+        out.seqs, out.token_ids = lanes, tokens
+        return
+    stopped = set()
+    for row, seq in enumerate(lanes):
+        if tokens[row] in seq.request.stop_ids:
+            pending.append((seq, tokens[row], row))
+            stopped.add(row)
+    out.seqs = [seq for row, seq in enumerate(lanes) if row not in stopped]
+    out.token_ids = [t for row, t in enumerate(tokens) if row not in stopped]
+
+
+def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: bool,
+                  plain: bool, out: StepOutputs, pending: list[Sampled], block_size: int,
+                  fills: list | None) -> None:
+    """Planned sequences in plan order, from result row `cursor` on. `counted`: the lanes,
+    whose one token was counted as computed when they were planned."""
+    result = rows.result
+    # Rows come in plan order: a cursor finds them, the index only what is out of order. The
+    # sentinel ends the rows without a bounds check per sequence.
+    seq_ids, token_ids = [*result.seq_ids, None], result.token_ids
+    running = RUNNING
+    plain_seqs, plain_tokens = [], []
+    for seq in seqs:
+        if seq.status is not running:
+            continue  # aborted or stopped while the step ran
+        if counted:
+            step, new = 1, seq.num_computed_tokens
+        else:
+            step = seq.step_tokens
+            new = seq.num_computed_tokens = seq.num_computed_tokens + step
+        tokens = seq.token_ids
+        if fills is not None and new % block_size < step:  # a block filled up: make it findable
+            held = seq.num_kv_tokens
+            if new > held:  # report the slots held lazily too
+                held = seq.num_kv_tokens = seq.num_reserved_tokens
+            fills.append((seq.seq_id, tokens, held, new))
+        if new != len(tokens):
+            continue  # mid-prefill or catching up after a recompute: nothing sampled
+        if seq_ids[cursor] != seq.seq_id:
+            cursor = rows.find(seq.seq_id)
+        token = token_ids[cursor]
+        cursor += 1
+        tokens.append(token)
+        req = seq.request
+        if (plain and token not in req.stop_ids
+                and new - seq.num_prompt_tokens + 1 < req.max_output_tokens):
+            plain_seqs.append(seq)
+            plain_tokens.append(token)
+        else:
+            pending.append((seq, token, cursor - 1))
+    if plain_seqs:
+        out.seqs = out.seqs + plain_seqs
+        out.token_ids = out.token_ids + plain_tokens
