@@ -7,20 +7,22 @@ the torch reference <name>_ref of the same signature.
 
 Backend choice: PAGEDSERVE_KERNELS=auto (default: Triton for CUDA tensors, torch otherwise),
 =triton (always Triton: with TRITON_INTERPRET=1 this runs the kernels on CPU, for tests) or
-=torch (always the torch paths). It is read once at import; set_backend() changes it.
+=torch (always the torch paths); set_backend() overrides it.
 On the torch backend, PAGEDSERVE_DECODE_CPU picks the decode attention for CPU tensors:
 =native (default) runs the C kernel of kernels/native (built on first use with the system C
 compiler; each sequence's pages are streamed once from the block table, no gather), falling back
 to =bucketed when it cannot run (no compiler, an fp16 cache); =bucketed runs
 paged_decode_attention_cpu (the reference's gather + SDPA with sequences bucketed by context
-length); =ref runs paged_decode_attention_ref. It is read once at import.
+length); =ref runs paged_decode_attention_ref. Both settings come from pagedserve.envs, read at
+the first kernel call; kernels/paths.py reports the path each op takes and why.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
+
+from pagedserve import envs
 
 from . import copy_blocks as _copy_blocks
 from . import cpu_decode_attention as _cpu_decode
@@ -30,28 +32,33 @@ from . import paged_prefill_attention as _prefill
 from . import store_kv as _store_kv
 from .swap_blocks import swap_blocks_ref
 
-BACKENDS = ("auto", "triton", "torch")
-_backend = "auto"
+BACKENDS = envs.KERNEL_BACKENDS
+_backend: str | None = None      # set_backend's choice; None: PAGEDSERVE_KERNELS
 
 
-def set_backend(name: str) -> None:
-    """Select the kernel backend: "auto", "triton" or "torch"."""
+def set_backend(name: str | None) -> None:
+    """Select the kernel backend: "auto", "triton" or "torch"; None: PAGEDSERVE_KERNELS again."""
     global _backend
-    if name not in BACKENDS:
+    if name is not None and name not in BACKENDS:
         raise ValueError(f"PAGEDSERVE_KERNELS={name!r}: expected one of {', '.join(BACKENDS)}")
     _backend = name
 
 
 def get_backend() -> str:
-    return _backend
+    return envs.current().kernels if _backend is None else _backend
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether kernels called on tensors of this device type run the Triton version."""
+    backend = get_backend()
+    return backend == "triton" or (backend == "auto" and device_type == "cuda")
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether a kernel called on `tensor` runs the Triton version."""
-    return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
+    return triton_runs_on(tensor.device.type)
 
 
-set_backend(os.environ.get("PAGEDSERVE_KERNELS", "auto"))
 _native_warned = False
 
 
@@ -61,7 +68,7 @@ def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale):
     if _native_decode.supports(q, k_cache):
         return _native_decode.paged_decode_attention_native(q, k_cache, v_cache, block_tables,
                                                             context_lens, scale)
-    reason = _native_decode.native.unavailable_reason()
+    reason = _native_decode.native.unavailable_reason(_native_decode.FEATURE)
     if reason and not _native_warned:
         _native_warned = True
         warnings.warn(f"{reason}; decode attention falls back to the torch path",
@@ -70,19 +77,21 @@ def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale):
                                                   context_lens, scale)
 
 
+# PAGEDSERVE_DECODE_CPU -> the decode attention of tensors that do not take Triton
 _DECODE_CPU = {"native": _decode_native, "bucketed": _cpu_decode.paged_decode_attention_cpu,
                "ref": _decode.paged_decode_attention_ref}
-_decode_cpu_name = os.environ.get("PAGEDSERVE_DECODE_CPU", "native")
-if _decode_cpu_name not in _DECODE_CPU:
-    raise ValueError(f"PAGEDSERVE_DECODE_CPU={_decode_cpu_name!r}: expected one of "
-                     f"{', '.join(_DECODE_CPU)}")
-_decode_torch = _DECODE_CPU[_decode_cpu_name]
+
+
+def cpu_decode_kernel():
+    """The decode attention PAGEDSERVE_DECODE_CPU selects for tensors that do not take Triton."""
+    return _DECODE_CPU[envs.current().decode_cpu]
 
 
 def native_decode_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether CPU decode attention of q over k_cache runs on the native kernel (the default
     PAGEDSERVE_DECODE_CPU=native, and a build and dtypes it supports)."""
-    return _decode_cpu_name == "native" and not use_triton(q) and _native_decode.supports(q, k_cache)
+    return (envs.current().decode_cpu == "native" and not use_triton(q)
+            and _native_decode.supports(q, k_cache))
 
 
 # The Triton wrappers are looked up on their modules at call time (not bound at import) so that
@@ -103,7 +112,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         return _decode.paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
                                                      context_lens, scale)
-    return _decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return cpu_decode_kernel()(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,4 +140,5 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
 
 
 __all__ = ["store_kv", "paged_decode_attention", "native_decode_rows", "paged_prefill_attention",
-           "copy_blocks", "swap_blocks", "set_backend", "get_backend", "use_triton"]
+           "copy_blocks", "swap_blocks", "set_backend", "get_backend", "use_triton",
+           "triton_runs_on", "cpu_decode_kernel"]

@@ -15,19 +15,22 @@ says whether a call can run here, and kernels/__init__.py falls back to the torc
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
+
+from pagedserve import envs
 
 from . import native
 from ._workspace import scratch
 from .paged_decode_attention import _check_decode
 
+FEATURE = "decode_attention"
 PART_TOKENS = 512
 MIN_PART_TOKENS = 64
-# Threads of the kernel's task pool; 0: torch's current thread count. A CPU worker sets it to its
-# cores (set_threads), which may exceed its torch threads: see kernels/native/task_pool.c.
-_threads = int(os.environ.get("PAGEDSERVE_ATTENTION_THREADS", "0") or 0)
+# Threads of the kernel's task pool, as set_threads set them; None: PAGEDSERVE_ATTENTION_THREADS,
+# where 0 means torch's current thread count. A CPU worker sets it to its cores, which may exceed
+# its torch threads: see kernels/native/task_pool.c.
+_threads: int | None = None
 
 
 def set_threads(count: int) -> None:
@@ -36,6 +39,13 @@ def set_threads(count: int) -> None:
     if count < 0:
         raise ValueError(f"attention threads must be >= 0, got {count}")
     _threads = count
+
+
+def _thread_count() -> int:
+    count = envs.current().attention_threads if _threads is None else _threads
+    return count or torch.get_num_threads()
+
+
 # by cache dtype; the query and output are fp32 in the C kernel
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
               torch.float8_e4m3fn: "paged_decode_e4m3", torch.float8_e5m2: "paged_decode_e5m2"}
@@ -47,11 +57,37 @@ _ERRORS = {-1: "head_dim must be in 1..256", -2: "Hq must be a multiple of Hkv",
            -6: "a block table entry within a context is not a valid block id"}
 
 
+def unsupported_reason(device_type: str, q_dtype: torch.dtype, cache_dtype: torch.dtype,
+                       head_dim: int) -> str | None:
+    """Why the native kernel cannot run a call of these kinds; None when it can (CPU tensors, an
+    fp32/bf16 query, an fp32/bf16/fp8 cache, head_dim up to 256, the library loaded)."""
+    if device_type != "cpu":
+        return f"{device_type} tensors"
+    if cache_dtype not in _FUNCTIONS:
+        return f"a {cache_dtype} cache (native: float32, bfloat16, float8_e4m3fn, float8_e5m2)"
+    if q_dtype not in _QUERY_DTYPES:
+        return f"a {q_dtype} query (native: float32, bfloat16)"
+    if head_dim > 256:
+        return f"head_dim {head_dim} > 256"
+    if native.library(FEATURE) is None:
+        return native.unavailable_reason(FEATURE)
+    return None
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernel can run this call (CPU tensors, an fp32/bf16 query, an
-    fp32/bf16/fp8 cache, library built)."""
-    return (q.device.type == "cpu" and k_cache.dtype in _FUNCTIONS and q.dtype in _QUERY_DTYPES
-            and k_cache.shape[-1] <= 256 and native.library() is not None)
+    """Whether the native kernel can run this call (see unsupported_reason)."""
+    return unsupported_reason(q.device.type, q.dtype, k_cache.dtype, k_cache.shape[-1]) is None
+
+
+def vector_lanes() -> int:
+    """The lanes of the vector body the library was built with: 16 (AVX-512), 8 (AVX2 + FMA),
+    0 (portable only). Head sizes other than 64 and 128, and GQA groups over 8, take the portable
+    body in every build."""
+    lib = native.library(FEATURE)
+    if lib is None:
+        raise ValueError(f"native_decode_attention.vector_lanes: "
+                         f"{native.unavailable_reason(FEATURE)}")
+    return lib.paged_decode_vector_lanes()
 
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,9 +105,9 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"paged_decode_attention_native: k_cache strides {k_cache.stride()} != "
                          f"v_cache strides {v_cache.stride()}")
-    lib = native.library()
+    lib = native.library(FEATURE)
     if lib is None:
-        raise ValueError(f"paged_decode_attention_native: {native.unavailable_reason()}")
+        raise ValueError(f"paged_decode_attention_native: {native.unavailable_reason(FEATURE)}")
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=torch.float32)
     if num_seqs == 0:
         return out.to(q.dtype)
@@ -79,7 +115,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     block_size = k_cache.shape[1]
-    threads = _threads or torch.get_num_threads()
+    threads = _thread_count()
     max_context = int(context_lens.max())
     part_tokens = max(1, PART_TOKENS // block_size) * block_size
     if num_seqs < 2 * threads:

@@ -7,9 +7,10 @@
 - `silu_mul(gate_up)`: gate_up [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
 
 Inputs are 2-D CPU tensors of one dtype, fp32 or bf16, whose rows are contiguous (stride 1 along
-the last axis; any row stride); `supports` says whether tensors qualify. Results match torch's
-to rounding (a few fp32 ulps; bf16: computed in fp32 and rounded once, where torch rounds silu
-before the product), not bit for bit: the sums and the exp run in another order and polynomial.
+the last axis; any row stride); `supports` says whether tensors qualify and the library loads.
+Results match torch's to rounding (a few fp32 ulps; bf16: computed in fp32 and rounded once,
+where torch rounds silu before the product), not bit for bit: the sums and the exp run in another
+order and polynomial.
 """
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ import torch
 
 from . import native
 
+FEATURE = "elementwise"
+
 
 def available() -> bool:
-    return native.library() is not None
+    return native.library(FEATURE) is not None
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = tuple(_SUFFIX)
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the tensors are 2-D CPU tensors of one dtype, fp32 or bf16, with contiguous rows."""
+def _rows(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     if dtype not in _SUFFIX:
         return False
@@ -36,22 +39,28 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors are 2-D CPU tensors of one dtype, fp32 or bf16, with contiguous rows,
+    and the library loads."""
+    return _rows(*tensors) and available()
+
+
 def _row_stride(t: torch.Tensor) -> int:
     # a single row may carry any stride along the row axis; the kernel only needs >= width
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
 def _library(name: str):
-    lib = native.library()
+    lib = native.library(FEATURE)
     if lib is None:
-        raise ValueError(f"native_elementwise.{name}: {native.unavailable_reason()}")
+        raise ValueError(f"native_elementwise.{name}: {native.unavailable_reason(FEATURE)}")
     return lib
 
 
 # The checks below build their messages only on failure: these run ~60 times per decode step,
 # and formatting shapes and dtypes eagerly cost ~10 us per call (measured on the 2-core EPYC).
 def _check_rows(name: str, arg: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    if not supports(t) or (dtype is not None and t.dtype != dtype):
+    if not _rows(t) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"native_elementwise.{name}: {arg} must be a 2-D fp32 or bf16 CPU tensor "
                          f"with contiguous rows{'' if dtype is None else f' of dtype {dtype}'}, "
                          f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")

@@ -18,12 +18,13 @@ from . import native
 from ._checks import require
 from ._workspace import scratch
 
+FEATURE = "linear"
 PANEL = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available() -> bool:
-    return native.library() is not None
+    return native.library(FEATURE) is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -32,8 +33,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     require(weight.dtype in DTYPES and weight.device.type == "cpu" and weight.dim() == 2,
             f"native_linear.pack: expected a 2-D fp32 or bf16 CPU weight, got {weight.dtype} "
             f"{tuple(weight.shape)} on {weight.device}")
-    lib = native.library()
-    require(lib is not None, f"native_linear.pack: {native.unavailable_reason()}")
+    lib = native.library(FEATURE)
+    require(lib is not None, f"native_linear.pack: {native.unavailable_reason(FEATURE)}")
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     n, k = weight.shape
     packed = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=weight.dtype)
@@ -63,7 +64,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = 
     out = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return out
-    lib, threads = native.library(), threads or torch.get_num_threads()
+    lib, threads = native.library(FEATURE), threads or torch.get_num_threads()
     if x.dtype == torch.float32:
         status = lib.linear_f32(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
                                 out.data_ptr(), n, threads)

@@ -23,6 +23,7 @@ import torch
 from . import native
 from ._checks import require
 
+FEATURE = "linear_q8"
 BLOCK = 32
 PANEL = 16
 _ZERO_BELOW = 2.0 ** -100   # a block with max|v| under this counts as zero (linear_q8.c)
@@ -39,7 +40,7 @@ class PackedQ8(NamedTuple):
 
 
 def available() -> bool:
-    return native.library() is not None
+    return native.library(FEATURE) is not None
 
 
 def supports(k: int) -> bool:
@@ -110,9 +111,9 @@ def linear(x: torch.Tensor, packed: PackedQ8, threads: int | None = None) -> tor
     m, k = x.shape
     if k != packed.k:
         raise ValueError(f"native_linear_q8.linear: x has {k} features, the weight {packed.k}")
-    lib = native.library()
+    lib = native.library(FEATURE)
     if lib is None:
-        raise RuntimeError(f"native_linear_q8.linear: {native.unavailable_reason()}")
+        raise RuntimeError(f"native_linear_q8.linear: {native.unavailable_reason(FEATURE)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, packed.n, dtype=torch.float32)
@@ -134,7 +135,7 @@ def quantize_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    status = native.library().quantize_rows_q8(x.data_ptr(), m, k, x.stride(0), q.data_ptr(),
-                                               d.data_ptr())
+    status = native.library(FEATURE).quantize_rows_q8(x.data_ptr(), m, k, x.stride(0),
+                                                      q.data_ptr(), d.data_ptr())
     require(status == 0, f"quantize_native: status {status}")
     return q, d

@@ -15,13 +15,28 @@ import torch
 from . import native
 from ._checks import check_cache_pair, check_int_tensor
 
+FEATURE = "rope_store"
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def unsupported_reason(device_type: str, dtype: torch.dtype,
+                       cache_dtype: torch.dtype) -> str | None:
+    """Why a model of `dtype` with a `cache_dtype` cache cannot take the native kernel; None when
+    it can (CPU, fp32/bf16 model and cache, the library loaded)."""
+    if device_type != "cpu":
+        return f"{device_type} tensors"
+    if dtype not in _FORMATS:
+        return f"a {dtype} model (native: float32, bfloat16)"
+    if cache_dtype not in _FORMATS:
+        return f"a {cache_dtype} cache (native: float32, bfloat16)"
+    if native.library(FEATURE) is None:
+        return native.unavailable_reason(FEATURE)
+    return None
+
+
 def supports(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (qkv.device.type == "cpu" and qkv.dtype in _FORMATS and qkv.dim() == 2
-            and qkv.stride(1) == 1 and k_cache.dtype in _FORMATS and k_cache.device.type == "cpu"
-            and native.library() is not None)
+    return (qkv.dim() == 2 and qkv.stride(1) == 1 and k_cache.device.type == qkv.device.type
+            and unsupported_reason(qkv.device.type, qkv.dtype, k_cache.dtype) is None)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -36,7 +51,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             f"rope_store: expected a 2-D fp32/bf16 CPU qkv with unit last stride and an fp32/bf16 "
             f"CPU cache, got qkv {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}, cache "
             f"{k_cache.dtype} on {k_cache.device}"
-            + ("" if native.library() is not None else f" ({native.unavailable_reason()})"))
+            + ("" if native.library(FEATURE) is not None
+               else f" ({native.unavailable_reason(FEATURE)})"))
     check_cache_pair("rope_store", k_cache, v_cache)
     num_tokens = qkv.shape[0]
     num_blocks, block_size, cache_heads, head_dim = k_cache.shape
@@ -59,7 +75,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             f"rope_store: k_cache and v_cache need equal strides, got {k_cache.stride()} "
             f"and {v_cache.stride()}")
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype)
-    status = native.library().rope_store(
+    status = native.library(FEATURE).rope_store(
         qkv.data_ptr(), _FORMATS[qkv.dtype], num_tokens, qkv.stride(0), num_q_heads,
         num_kv_heads, head_dim,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), k_cache.data_ptr(),

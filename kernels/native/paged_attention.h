@@ -537,10 +537,13 @@ DEFINE_MERGE(f32, float, store_f32)
 #define DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc) (-100)
 #endif
 
-/* task_pool.c: run fn(ctx, 0 .. ntasks - 1) on up to num_threads threads; per-thread scratch. */
+/* task_pool.c: run fn(ctx, 0 .. ntasks - 1) on up to num_threads threads; per-thread scratch.
+ * Hidden: every feature's library links a copy of the pool (kernels/native/features.py), and each
+ * must call its own copy and export only its kernels (the ctypes tables). */
 typedef void (*task_fn)(void *ctx, int64_t task);
-void pa_run_tasks(int num_threads, task_fn fn, void *ctx, int64_t ntasks);
-float *pa_thread_scratch(int64_t floats);
+__attribute__((visibility("hidden"))) void pa_run_tasks(int num_threads, task_fn fn, void *ctx,
+                                                        int64_t ntasks);
+__attribute__((visibility("hidden"))) float *pa_thread_scratch(int64_t floats);
 
 typedef struct {
     const void *q, *k_cache, *v_cache;

@@ -1,4 +1,5 @@
-/* Task pool and per-thread scratch for the native decode kernels (paged_attention.h). */
+/* Task pool and per-thread scratch for every native kernel (declared in paged_attention.h; each
+ * feature's library links its own copy, kernels/native/features.py). */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>

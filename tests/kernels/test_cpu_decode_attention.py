@@ -7,7 +7,7 @@ import pytest
 import torch
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
-from pagedserve import kernels
+from pagedserve import envs, kernels
 from pagedserve.kernels import cpu_decode_attention
 from pagedserve.kernels.cpu_decode_attention import bucket_bounds, paged_decode_attention_cpu
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
@@ -90,33 +90,36 @@ def test_empty_batch_and_argument_checks():
 
 def test_dispatch_serves_cpu_tensors_with_the_selected_path(monkeypatch, rng):
     called = []
-    monkeypatch.setattr(kernels, "_decode_torch",
+    monkeypatch.setitem(kernels._DECODE_CPU, "bucketed",
                         lambda *args: called.append("cpu") or paged_decode_attention_cpu(*args))
     args = _random_decode_inputs(rng, [5, 40], 4, 2, 16, torch.float32)
-    out = kernels.paged_decode_attention(*args)
+    with envs.override(decode_cpu="bucketed"):
+        out = kernels.paged_decode_attention(*args)
     assert called == ["cpu"] and rel_error(out, paged_decode_attention_ref(*args)) < 1e-5
 
 
-def test_env_var_selects_the_decode_path():
+def test_setting_selects_the_decode_path():
+    paths = {}
+    for value in ("ref", "bucketed", "native"):
+        with envs.override(decode_cpu=value):
+            paths[value] = kernels.cpu_decode_kernel()
+    assert paths == {"ref": paged_decode_attention_ref, "bucketed": paged_decode_attention_cpu,
+                     "native": kernels._decode_native}
+
+
+def test_env_var_selects_the_decode_path_in_a_fresh_process():
+    # read at the first kernel call, not at import: a bad value fails there, with its name
     code = ("import pagedserve.kernels as kernels\n"
-            "from pagedserve.kernels.cpu_decode_attention import paged_decode_attention_cpu\n"
-            "from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref\n"
-            "print(kernels._decode_torch is paged_decode_attention_ref,"
-            " kernels._decode_torch is paged_decode_attention_cpu,"
-            " kernels._decode_torch is kernels._decode_native)\n")
+            "print(kernels.cpu_decode_kernel().__name__)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     seen = []
-    for value in ("ref", "bucketed", "native", None):
+    for value in ("ref", "bucketed", "native", None, "fast"):
         env = dict(os.environ, PAGEDSERVE_DECODE_CPU=value or "")
         if value is None:
             del env["PAGEDSERVE_DECODE_CPU"]
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, timeout=120, cwd=root)
-        assert result.returncode == 0, result.stderr[-3000:]
-        seen.append(result.stdout.split())
-    assert seen == [["True", "False", "False"], ["False", "True", "False"],
-                    ["False", "False", "True"], ["False", "False", "True"]]
-    env = dict(os.environ, PAGEDSERVE_DECODE_CPU="fast")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=120, cwd=root)
-    assert result.returncode != 0 and "expected one of native, bucketed, ref" in result.stderr
+        seen.append(result.stdout.strip() if result.returncode == 0 else result.stderr)
+    assert seen[:4] == ["paged_decode_attention_ref", "paged_decode_attention_cpu",
+                        "_decode_native", "_decode_native"]
+    assert "Error: PAGEDSERVE_DECODE_CPU='fast': expected one of native, bucketed, ref" in seen[4]

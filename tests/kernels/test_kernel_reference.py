@@ -8,7 +8,7 @@ import pytest
 import torch
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
-from pagedserve import kernels
+from pagedserve import envs, kernels
 from pagedserve.kernels.copy_blocks import copy_blocks_ref
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
@@ -105,12 +105,16 @@ def test_dispatch_uses_torch_for_cpu_tensors(monkeypatch, rng):
             torch.tensor([[2]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.25)
     assert kernels.get_backend() == "auto"
     assert kernels.paged_decode_attention(*args).shape == (1, 4, 16) and called == []
-    try:
-        kernels.set_backend("triton")
+    with envs.override(kernels="triton"):
         kernels.paged_decode_attention(*args)
-        assert called == ["triton"]
+    assert called == ["triton"]
+    try:
+        kernels.set_backend("triton")           # the API overrides the setting
+        kernels.paged_decode_attention(*args)
+        assert called == ["triton"] * 2
     finally:
-        kernels.set_backend("auto")
+        kernels.set_backend(None)
+    assert kernels.get_backend() == "auto"
     with pytest.raises(ValueError, match="expected one of auto, triton, torch"):
         kernels.set_backend("cuda")
 

@@ -16,8 +16,9 @@ from pagedserve.kernels.kv_format import to_storage
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 
-pytestmark = pytest.mark.skipif(native.library() is None,
-                                reason=f"no native kernels: {native.unavailable_reason()}")
+FEATURE = native_decode_attention.FEATURE
+pytestmark = pytest.mark.skipif(native.library(FEATURE) is None,
+                                reason=f"no native kernels: {native.unavailable_reason(FEATURE)}")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -142,18 +143,21 @@ def test_fp16_falls_back_to_the_torch_path(rng):
 
 def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
     code = ("from pagedserve.kernels import native\n"
-            "lib = native.library()\n"
-            "print('built' if lib is not None else native.unavailable_reason())\n")
+            "lib = native.library('decode_attention')\n"
+            "print('built' if lib is not None else\n"
+            "      native.unavailable_reason('decode_attention'))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=300, cwd=root)
     assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-2000:]
-    assert list(tmp_path.glob("kernels/*/pagedserve_native.so"))
+    assert [path.parent.name.split("-")[0] for path in tmp_path.glob("kernels/*/*.so")] == [
+        "decode_attention"]                 # only the feature it used
     env = dict(env, CC=str(tmp_path / "no-such-compiler"), PAGEDSERVE_CACHE=str(tmp_path / "b"))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=300, cwd=root)
-    assert result.returncode == 0 and "native CPU kernels unavailable" in result.stdout
+    assert result.returncode == 0 and result.stdout.startswith(
+        "native decode_attention kernels unavailable: ") and "no-such-compiler" in result.stdout
 
 
 _VARIANT_CHECK = """
@@ -162,7 +166,7 @@ from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
 from pagedserve.kernels import native
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
-assert native.library() is not None, native.unavailable_reason()
+assert native.library("decode_attention") is not None, native.unavailable_reason("decode_attention")
 rng = torch.Generator().manual_seed(0)
 for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
                          (torch.float32, torch.float8_e4m3fn, 1e-5),
@@ -178,7 +182,7 @@ for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e
         args = (q, kv[0, 0], kv[0, 1], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
         err = rel_error(paged_decode_attention_native(*args), paged_decode_attention_ref(*args))
         assert err < tol, (dtype, hq, hkv, d, err)
-from pagedserve.kernels import native_linear   # the fp32 and bf16 linears in the same build
+from pagedserve.kernels import native_linear   # the fp32 and bf16 linears with the same flags
 for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):
     for m, n, k in ((1, 17, 576), (7, 100, 33), (13, 64, 1536)):
         w = torch.randn(n, k, generator=rng).to(dtype)

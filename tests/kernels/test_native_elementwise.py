@@ -170,7 +170,7 @@ def test_supports():
 _SSE_BUILD_CHECK = """
 import torch, torch.nn.functional as F
 from pagedserve.kernels import native, native_elementwise
-assert native.library() is not None, native.unavailable_reason()
+assert native_elementwise.available(), native.unavailable_reason(native_elementwise.FEATURE)
 gate = torch.linspace(-87.3, 120, 100_001)
 out = native_elementwise.silu_mul(torch.stack([gate, torch.ones_like(gate)], dim=1))[:, 0]
 exact = F.silu(gate.double())

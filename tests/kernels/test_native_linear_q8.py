@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kernels import native, native_linear_q8 as q8
+from pagedserve.kernels import native_linear_q8 as q8
 
 pytestmark = pytest.mark.skipif(not q8.available(), reason="native kernels unavailable")
 
@@ -107,7 +107,3 @@ def test_portable_build_without_avx2_matches_the_reference(tmp_path):
     result = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, capture_output=True,
                             text=True, timeout=600, cwd=root)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
-
-
-def test_build_includes_the_int8_linear():
-    assert hasattr(native.library(), "linear_q8")

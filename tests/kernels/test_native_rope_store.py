@@ -10,7 +10,7 @@ from pagedserve.kernels import native, native_rope_store
 from pagedserve.kernels.store_kv import store_kv_ref
 from pagedserve.workers.models.layers import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(native.library() is None,
+pytestmark = pytest.mark.skipif(native.library(native_rope_store.FEATURE) is None,
                                 reason="the native kernels cannot be built here")
 
 
