@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve import envs
+from pagedserve.kernels import paths as kernel_paths
 from pagedserve.kernels.kv_format import check_storage
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
@@ -99,7 +100,7 @@ class ModelRunner:
             done, total = quantize_linears(self.model)
             log.info("--quantization int8: %d of %d linears in int8 (the rest have in_features "
                      "that are not whole blocks of 32)", done, total)
-        if os.environ.get("PAGEDSERVE_PREPACK", "1") != "0":
+        if envs.current().prepack:
             prepack_linears(self.model)
             freed = release_packed_weights(self.model)
             if freed:
@@ -112,6 +113,10 @@ class ModelRunner:
             max_blocks = -(-config.max_position_embeddings // block_size)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
                                               max_blocks)
+        log.info("kernels rank %d (%s, %s, %s cache): %s", tp_rank, self.device.type, dtype,
+                 self.kv_cache_dtype, kernel_paths.describe(kernel_paths.kernel_paths(
+                     self.device, dtype, quantization, self.kv_cache_dtype, config.head_dim,
+                     config.hidden_size)))
         log.info("model runner rank %d/%d: %s, %s, %s cache, %d blocks of %d tokens (%.1f MiB)",
                  tp_rank, tp_size, config.architecture, dtype, self.kv_cache_dtype, num_blocks,
                  block_size,

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve import envs
 from pagedserve.kernels import native_linear
 from test_quantization import BLOCK_SIZE, TEXT, prefill_logits
 from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="native kernels unavailable")
 
 
-def test_smollm2_bf16_on_native_kernels_predicts_like_torch_bf16(monkeypatch):
+def test_smollm2_bf16_on_native_kernels_predicts_like_torch_bf16():
     """Teacher-forced on ordinary text, measured here: perplexity fp32 26.553, native bf16
     26.712, torch bf16 26.640; argmax agreement with fp32 96.1% (torch bf16: 97.5%), with torch
     bf16 98.5%; logits 1.5% off fp32's (torch bf16: 1.4%)."""
@@ -34,18 +35,12 @@ def test_smollm2_bf16_on_native_kernels_predicts_like_torch_bf16(monkeypatch):
         return prefill_logits(run, tokens).float(), len(panels)
 
     exact, _ = logits(torch.float32)
-    monkeypatch.setattr(layers, "native_bf16_linear", lambda: True)
-    native, packed = logits(torch.bfloat16)
+    with envs.override(bf16_linear="native"):
+        native, packed = logits(torch.bfloat16)
     assert packed == 30 * 4 + 1                         # every projection and the LM head
-    monkeypatch.setattr(layers, "native_bf16_linear", lambda: False)
-    monkeypatch.setenv("PAGEDSERVE_PREPACK", "0")       # torch's F.linear on plain bf16 weights
-    monkeypatch.setenv("PAGEDSERVE_NATIVE_ELEMENTWISE", "0")   # and torch's norm, silu, rope
-    layers.native_cpu_elementwise.cache_clear()
-    try:
+    # torch's F.linear on plain bf16 weights, and torch's norm, silu, rope
+    with envs.override(prepack=False, native_elementwise=False):
         reference, packed = logits(torch.bfloat16)
-    finally:
-        monkeypatch.delenv("PAGEDSERVE_NATIVE_ELEMENTWISE")
-        layers.native_cpu_elementwise.cache_clear()
     assert packed == 0
 
     target = torch.tensor(tokens[1:])

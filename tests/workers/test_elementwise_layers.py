@@ -2,10 +2,13 @@
 and bf16 kernels, the torch path's exact numbers elsewhere, and a model's logits either way."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve import envs
 from pagedserve.kernels import native_elementwise
 from pagedserve.workers.loader import load_config
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
@@ -18,13 +21,10 @@ needs_native = pytest.mark.skipif(not native_elementwise.available(),
 
 
 @pytest.fixture
-def native_switch(monkeypatch):
-    """set(on): PAGEDSERVE_NATIVE_ELEMENTWISE for the next layers.native_cpu_elementwise()."""
-    def set_switch(on: bool) -> None:
-        monkeypatch.setenv("PAGEDSERVE_NATIVE_ELEMENTWISE", "1" if on else "0")
-        layers.native_cpu_elementwise.cache_clear()
-    yield set_switch
-    layers.native_cpu_elementwise.cache_clear()
+def native_switch():
+    """set(on): PAGEDSERVE_NATIVE_ELEMENTWISE for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda on: stack.enter_context(envs.override(native_elementwise=on))
 
 
 @pytest.fixture
@@ -44,15 +44,18 @@ def _norm(dtype):
     return norm
 
 
-def test_switch_reads_the_environment(native_switch, monkeypatch):
+def test_switch_follows_the_setting_and_each_kernel_its_own_library(native_switch,
+                                                                      monkeypatch):
+    x = torch.randn(3, 8)
     native_switch(False)
-    assert layers.native_cpu_elementwise() is False
+    assert layers.native_cpu_elementwise() is False and not layers._native_rows(x)
     native_switch(True)
-    assert layers.native_cpu_elementwise() is native_elementwise.available()
-    monkeypatch.setenv("PAGEDSERVE_NATIVE_ELEMENTWISE", "yes")
-    layers.native_cpu_elementwise.cache_clear()
+    assert layers.native_cpu_elementwise() is True
+    assert layers._native_rows(x) is native_elementwise.available()
+    monkeypatch.setattr(native_elementwise, "available", lambda: False)   # its build failed
+    assert not layers._native_rows(x)
     with pytest.raises(ValueError, match="PAGEDSERVE_NATIVE_ELEMENTWISE='yes'"):
-        layers.native_cpu_elementwise()
+        envs.from_environ({"PAGEDSERVE_NATIVE_ELEMENTWISE": "yes"})
 
 
 @needs_native

@@ -6,9 +6,7 @@ out of the full Hugging Face tensor (`load`), so checkpoints are never re-sharde
 """
 from __future__ import annotations
 
-import functools
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -16,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import native, native_elementwise, native_linear, native_linear_q8
+from pagedserve.kernels import native, native_elementwise, native_linear, native_linear_q8, paths
+# re-exported: the model and the worker ask these here
+from pagedserve.kernels.paths import bf16_prepack_supported, native_cpu_elementwise  # noqa: F401
 from pagedserve.pipeline.config import QUANTIZATIONS
 from pagedserve.workers.distributed import TPGroup
 
@@ -76,9 +76,10 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class PackableLinear(nn.Module):
     """A linear layer (`self.weight` [out, in], no bias) whose CPU weight can be prepacked.
 
-    `prepack()` lays the weight out once after loading for the kernel that multiplies it:
-    - fp32, where `native_fp32_linear()` holds (the native kernels build, and the CPU has no
-      AVX-512): panels for kernels/native/linear_f32.c, at every batch size. On the AVX2 EPYC it
+    `prepack()` lays the weight out once after loading for the kernel that multiplies it, the one
+    `kernels.paths.cpu_linear` chooses:
+    - fp32 on CPUs without AVX-512 (where the native linear library loads): panels for
+      kernels/native/linear_f32.c, at every batch size. On the AVX2 EPYC it
       beats both oneDNN's packed product and MKL's sgemm (2 threads, one SmolLM2 forward's
       matmuls: M=1 20.8 vs 33.2 ms, M=64 119.8 vs 149.2, M=1024 2,002 vs 2,338 for MKL; all
       figures in that file). On AVX-512 CPUs, where its 8-lane vectors were not measured against
@@ -89,7 +90,7 @@ class PackableLinear(nn.Module):
     - bf16 where oneDNN has a bf16 inner product (`bf16_prepack_supported()`: AVX-512 BF16,
       AMX): oneDNN's packed product (1 thread: [64 x 576] @ [576 x 3072] 522 -> 341 us; same
       results bit for bit).
-    - bf16 elsewhere (`native_bf16_linear()`: AVX2, where torch emulates the bf16 product at
+    - bf16 elsewhere (AVX2, where torch emulates the bf16 product at
       ~17 GFLOP/s): bf16 panels for kernels/native/linear_bf16.c, widened to fp32 in registers
       and summed in fp32. PAGEDSERVE_BF16_LINEAR=native|torch overrides.
     fp32 kernels sum in another order than F.linear (~1e-4 relative); the fp32 greedy-equality
@@ -120,16 +121,13 @@ class PackableLinear(nn.Module):
         weight = self.weight
         if weight.device.type != "cpu" or self.q8 is not None:
             return False
-        if (weight.dtype == torch.float32 and native_fp32_linear()) or \
-                (weight.dtype == torch.bfloat16 and native_bf16_linear()):
+        kernel = paths.cpu_linear(weight.dtype).kernel
+        if kernel in (paths.LINEAR_F32, paths.LINEAR_BF16):
             self.panels = native_linear.pack(weight.detach())
-            return True
-        if not torch.backends.mkldnn.is_available():
+        elif kernel == paths.ONEDNN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        else:
             return False
-        if weight.dtype != torch.float32 and (weight.dtype != torch.bfloat16
-                                              or not bf16_prepack_supported()):
-            return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,45 +145,6 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-@functools.cache
-def native_fp32_linear() -> bool:
-    """Whether fp32 linears run on kernels/native/linear_f32.c (see PackableLinear)."""
-    choice = os.environ.get("PAGEDSERVE_FP32_LINEAR", "auto")
-    if choice not in ("auto", "native", "onednn"):
-        raise ValueError(f"PAGEDSERVE_FP32_LINEAR={choice!r}: expected auto, native or onednn")
-    if choice == "onednn" or not native_linear.available():
-        return False
-    return choice == "native" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-@functools.cache
-def native_bf16_linear() -> bool:
-    """Whether bf16 linears run on kernels/native/linear_bf16.c (see PackableLinear): where the
-    native kernels build and oneDNN has no bf16 product of its own. On the 2-core AVX2 EPYC,
-    SmolLM2-135M's matmuls of one forward at M = 256: 15-16 GFLOP/s for torch's F.linear."""
-    choice = os.environ.get("PAGEDSERVE_BF16_LINEAR", "auto")
-    if choice not in ("auto", "native", "torch"):
-        raise ValueError(f"PAGEDSERVE_BF16_LINEAR={choice!r}: expected auto, native or torch")
-    if choice == "torch" or not native_linear.available():
-        return False
-    return choice == "native" or not bf16_prepack_supported()
-
-
-@functools.cache
-def bf16_prepack_supported() -> bool:
-    """Whether this CPU's oneDNN can pack and multiply a bf16 weight (it needs AVX-512 BW/VL/DQ
-    or AVX-NE-CONVERT; on plain AVX2 both the reorder and the product raise)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        weight = torch.ones(8, 8, dtype=torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        out = torch.ops.mkldnn._linear_pointwise(weight, packed, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return bool(torch.equal(out, F.linear(weight, weight)))
-
-
 def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse a --quantization this worker cannot run, at start rather than at the first step."""
     if quantization == "none":
@@ -198,7 +157,7 @@ def check_quantization(quantization: str, dtype: torch.dtype, device: torch.devi
                          f"{dtype} on {device.type}")
     if not native_linear_q8.available():
         raise ValueError(f"--quantization int8 needs the native CPU kernels: "
-                         f"{native.unavailable_reason()}")
+                         f"{native.unavailable_reason(native_linear_q8.FEATURE)}")
 
 
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
@@ -289,20 +248,6 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.matmul(x))
-
-
-@functools.cache
-def native_cpu_elementwise() -> bool:
-    """Whether fp32 and bf16 CPU RMSNorm and SiLU-and-mul run on kernels/native/elementwise.c,
-    and fp32 RoPE + the KV store on rope_store_f32.c (the library builds and
-    PAGEDSERVE_NATIVE_ELEMENTWISE is not 0); other inputs take torch. On the 2-core AVX2 EPYC,
-    SmolLM2-135M fp32, batch 64 at context 511: the step's time outside the linears and attention
-    fell from 25-39 ms to 19-27 ms with the first two; RoPE + store took the step from 244.4 to
-    232.5 ms (medians)."""
-    choice = os.environ.get("PAGEDSERVE_NATIVE_ELEMENTWISE", "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"PAGEDSERVE_NATIVE_ELEMENTWISE={choice!r}: expected 0 or 1")
-    return choice == "1" and native_elementwise.available()
 
 
 def _native_rows(*tensors: torch.Tensor) -> bool:
