@@ -8,38 +8,15 @@ CPU tensors the kernels dispatch to the torch references). When some other test 
 first, the Triton tests run in a subprocess instead
 (test_kernel_triton.py::test_triton_suite_in_subprocess).
 """
-import importlib
 import os
 import sys
 
 import pytest
 import torch
-
-KERNEL_MODULES = {
-    "store_kv": "_store_kv_kernel",
-    "paged_decode_attention": "_paged_decode_kernel",
-    "paged_prefill_attention": "_paged_prefill_kernel",
-    "copy_blocks": "_copy_blocks_kernel",
-}
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from triton_mode import DEVICE, kernel_modules, triton_runs_here
 
 if DEVICE == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _kernel_modules():
-    return {name: importlib.import_module(f"kernels.{name}") for name in KERNEL_MODULES}
-
-
-def triton_runs_here() -> bool:
-    """True on a GPU, or on CPU when every kernel was decorated for the interpreter."""
-    if DEVICE == "cuda":
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-    modules = _kernel_modules()
-    return all(isinstance(getattr(modules[name], kernel), InterpretedFunction)
-               for name, kernel in KERNEL_MODULES.items())
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +25,7 @@ def triton_kernels():
     if not triton_runs_here():
         pytest.skip("triton was imported without TRITON_INTERPRET=1 before this conftest; "
                     "test_triton_suite_in_subprocess runs these tests instead")
-    return _kernel_modules()
+    return kernel_modules()
 
 
 @pytest.fixture

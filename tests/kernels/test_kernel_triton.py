@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from triton_mode import triton_runs_here
 from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
 
 from pagedserve.kernels import _checks

@@ -1,0 +1,30 @@
+"""Whether the Triton kernels run in this process: compiled on a CUDA GPU, or in Triton's
+interpreter on CPU. Its own module, not conftest.py: a run that also collects tests/workers
+imports that folder's conftest under the same name, and `from conftest import ...` would find
+the wrong one."""
+import importlib
+
+import torch
+
+KERNEL_MODULES = {
+    "store_kv": "_store_kv_kernel",
+    "paged_decode_attention": "_paged_decode_kernel",
+    "paged_prefill_attention": "_paged_prefill_kernel",
+    "copy_blocks": "_copy_blocks_kernel",
+}
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_modules():
+    return {name: importlib.import_module(f"kernels.{name}") for name in KERNEL_MODULES}
+
+
+def triton_runs_here() -> bool:
+    """True on a GPU, or on CPU when every kernel was decorated for the interpreter."""
+    if DEVICE == "cuda":
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+    modules = kernel_modules()
+    return all(isinstance(getattr(modules[name], kernel), InterpretedFunction)
+               for name, kernel in KERNEL_MODULES.items())
