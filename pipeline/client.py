@@ -19,7 +19,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.pipeline import ipc, messages
+from pagedserve import transport
+from pagedserve.pipeline import messages
 from pagedserve.pipeline.outputs import RequestError, RequestOutput, CompletionOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -99,20 +100,26 @@ class AsyncEngineClient:
         self._instance: str | None = None  # the scheduler's; a new one means it restarted
         self._last_answer = time.monotonic()
         self._closed = False
+        self.dispatcher = transport.Dispatcher("client", {
+            messages.DeltaBatch: self._on_deltas, messages.RequestRejected: self._on_request_error,
+            messages.RequestFailed: self._on_request_error,
+            messages.UtilityReply: self._on_utility_reply,
+            messages.HelloAck: lambda msg: None,  # a repeated hello's answer
+        })
 
     # -- connection --------------------------------------------------------------------------
     async def connect(self) -> "AsyncEngineClient":
-        self._frontend = ipc.make_socket(self._ctx, zmq.DEALER, self.frontend_addr, bind=False,
+        self._frontend = transport.make_socket(self._ctx, zmq.DEALER, self.frontend_addr, bind=False,
                                          identity=self.client_id)
-        self._output = ipc.make_socket(self._ctx, zmq.DEALER, self.output_addr, bind=False,
+        self._output = transport.make_socket(self._ctx, zmq.DEALER, self.output_addr, bind=False,
                                        identity=self.client_id)
         # Until the detokenizer has seen us, its ROUTER cannot route our outputs: say hello and
         # wait for the answer before submitting anything.
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            ipc.send(self._output, messages.Hello(self.client_id))
+            transport.send(self._output, messages.Hello(self.client_id))
             if await self._output.poll(250):
-                msg = ipc.decode(await self._output.recv_multipart())
+                msg = transport.decode(await self._output.recv_multipart())
                 if isinstance(msg, messages.HelloAck):
                     break
             if time.monotonic() > deadline:
@@ -162,7 +169,13 @@ class AsyncEngineClient:
         while True:
             for sock, _ in await poller.poll():
                 while sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    self._dispatch(ipc.decode(await sock.recv_multipart()))
+                    frames = await sock.recv_multipart()
+                    try:
+                        msg = transport.decode(frames)
+                    except transport.WireError as exc:
+                        self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
+                        continue
+                    self.dispatcher.dispatch(msg)
 
     async def _heartbeat_loop(self) -> None:
         """Keep the scheduler aware of us, notice its restarts, and give up on a dead engine."""
@@ -189,31 +202,32 @@ class AsyncEngineClient:
                     503, "the scheduler restarted and a request with n > 1 that had started "
                          "cannot be resumed; resubmit it", rid))
                 continue
-            ipc.send(self._frontend, add)
+            transport.send(self._frontend, add)
 
     def _fail_all(self, err: RequestError) -> None:
         for st in self._streams.values():
             st.queue.put_nowait(err)
 
-    def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, messages.DeltaBatch):
-            for delta in msg.deltas:
-                st = self._streams.get(delta.request_id)
-                if st is not None:
-                    delta = st.accept(delta)
-                    if delta is not None:
-                        st.queue.put_nowait(delta)
-        elif isinstance(msg, (messages.RequestRejected, messages.RequestFailed)):
-            st = self._streams.get(msg.request_id)
+    def _on_deltas(self, msg: messages.DeltaBatch) -> None:
+        for delta in msg.deltas:
+            st = self._streams.get(delta.request_id)
             if st is not None:
-                st.queue.put_nowait(RequestError(msg.status, msg.message, msg.request_id))
-        elif isinstance(msg, messages.UtilityReply):
-            fut = self._calls.pop(msg.call_id, None)
-            if fut is not None and not fut.done():
-                if msg.error is not None:
-                    fut.set_exception(RuntimeError(msg.error))
-                else:
-                    fut.set_result(msg.result)
+                delta = st.accept(delta)
+                if delta is not None:
+                    st.queue.put_nowait(delta)
+
+    def _on_request_error(self, msg: messages.RequestRejected | messages.RequestFailed) -> None:
+        st = self._streams.get(msg.request_id)
+        if st is not None:
+            st.queue.put_nowait(RequestError(msg.status, msg.message, msg.request_id))
+
+    def _on_utility_reply(self, msg: messages.UtilityReply) -> None:
+        fut = self._calls.pop(msg.call_id, None)
+        if fut is not None and not fut.done():
+            if msg.error is not None:
+                fut.set_exception(RuntimeError(msg.error))
+            else:
+                fut.set_result(msg.result)
 
     # -- requests --------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -246,7 +260,7 @@ class AsyncEngineClient:
         self._streams[request_id] = st
         remaining = params.n
         try:
-            ipc.send(self._frontend, st.add)
+            transport.send(self._frontend, st.add)
             while remaining:
                 item = await st.queue.get()
                 if isinstance(item, RequestError):
@@ -257,7 +271,7 @@ class AsyncEngineClient:
         finally:
             self._streams.pop(request_id, None)
             if remaining and not self._closed:
-                ipc.send(self._frontend, messages.Abort([request_id]))
+                transport.send(self._frontend, messages.Abort([request_id]))
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        **kwargs: Any) -> RequestOutput:
@@ -273,13 +287,13 @@ class AsyncEngineClient:
         return out
 
     async def abort(self, *request_ids: str) -> None:
-        ipc.send(self._frontend, messages.Abort(list(request_ids)))
+        transport.send(self._frontend, messages.Abort(list(request_ids)))
 
     async def call(self, method: str, timeout: float = 10.0) -> dict:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        ipc.send(self._frontend, messages.UtilityCall(call_id, method))
+        transport.send(self._frontend, messages.UtilityCall(call_id, method))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

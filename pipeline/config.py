@@ -1,7 +1,9 @@
 """Engine configuration: one dataclass per concern, parsed from the CLI once at start-up.
 
-The launcher parses the command line into an `EngineConfig`, serializes it as JSON and hands it
-to every child process (`--config-json`), so all roles agree on one configuration.
+The launcher parses the command line into an `EngineConfig`, reads the environment once
+(`env`, pagedserve/envs.py), resolves the model once (`model_info`), serializes it all as JSON
+and hands it to every child process (`--config-json`), so all roles agree on one configuration
+and none reads the environment or the model files for settings of its own.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from pagedserve import envs
+from pagedserve.envs import Environment
 
 QUANTIZATIONS = ("none", "int8")
 
@@ -39,7 +44,7 @@ class ModelArgs:
     model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None
     # auto: bfloat16 where the device has native bf16 matmuls, else float32 (CPU) / float16
-    # (CUDA); see workers.worker_process.resolve_dtype. float32 for exact reference checks.
+    # (CUDA); see workers/process.py resolve_dtype. float32 for exact reference checks.
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
@@ -182,6 +187,24 @@ class IpcArgs:
 
 
 @dataclass(slots=True)
+class ModelInfo:
+    """What the launcher learns about the model once (workers/loader.py) for every role: the
+    scheduler, detokenizer and ingress read it here and never open the model files for it."""
+
+    model_dir: str = ""           # a loadable Hugging Face directory; "" until resolved
+    tokenizer_dir: str = ""
+    architecture: str = ""
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return bool(self.model_dir)
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     cache: CacheArgs = field(default_factory=CacheArgs)
@@ -190,6 +213,21 @@ class EngineConfig:
     server: ServerArgs = field(default_factory=ServerArgs)
     supervisor: SupervisorArgs = field(default_factory=SupervisorArgs)
     ipc: IpcArgs = field(default_factory=IpcArgs)
+    env: Environment = field(default_factory=envs.current)
+    model_info: ModelInfo = field(default_factory=ModelInfo)
+
+    @property
+    def max_model_len(self) -> int:
+        """--max-model-len, else the model's own limit (needs model_info resolved)."""
+        if self.model.max_model_len:
+            return self.model.max_model_len
+        if not self.model_info.resolved:
+            raise ValueError("the model is not resolved yet: no max_model_len to derive")
+        return self.model_info.max_position_embeddings
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or os.path.basename(self.model.model.rstrip("/"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -202,7 +240,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Flat vLLM-style keyword arguments (max_num_seqs=..., block_size=...) -> config."""
-        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _FIELD_OWNER.values()}
         for key, value in kwargs.items():
             owner = _FIELD_OWNER.get(key)
             if owner is None:
@@ -215,8 +253,10 @@ class EngineConfig:
 
 _SECTIONS = {"model": ModelArgs, "cache": CacheArgs, "parallel": ParallelArgs,
              "scheduling": SchedulingArgs, "server": ServerArgs, "supervisor": SupervisorArgs,
-             "ipc": IpcArgs}
-_FIELD_OWNER = {f.name: sec for sec, cls in _SECTIONS.items() for f in fields(cls)}
+             "ipc": IpcArgs, "env": Environment, "model_info": ModelInfo}
+# Flat keyword arguments name the user's settings; env and model_info are filled at start.
+_FIELD_OWNER = {f.name: sec for sec, cls in _SECTIONS.items() if sec not in ("env", "model_info")
+                for f in fields(cls)}
 
 
 def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -270,7 +310,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=d.supervisor.heartbeat_timeout)
     p.add_argument("--host", default=d.server.host)
     p.add_argument("--port", type=int, default=d.server.port)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' (default: $PAGEDSERVE_API_KEY)")
     _bool_flag(p, "http", True, "start the OpenAI-compatible HTTP ingress")
     p.add_argument("--ipc-dir", default="", help="folder for ipc:// sockets (default: a temp dir)")
     for name in ("frontend", "output", "plan", "events", "detok", "control"):
@@ -278,8 +319,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+def config_from_args(ns: argparse.Namespace, env: Environment | None = None) -> EngineConfig:
+    """The command line plus the environment (read here, once, unless given)."""
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELD_OWNER}
     cfg = EngineConfig.from_kwargs(**kwargs)
+    cfg.env = envs.from_environ() if env is None else env
+    if cfg.server.api_key is None:
+        cfg.server.api_key = cfg.env.api_key
     cfg.ipc.fill_defaults()
     return cfg

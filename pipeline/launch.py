@@ -14,6 +14,7 @@ shared-memory segment of ours is left behind.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import shutil
 import signal
@@ -25,16 +26,18 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pagedserve.pipeline import ipc, messages
-from pagedserve.pipeline.config import EngineConfig, build_arg_parser, config_from_args
-from pagedserve.pipeline.faults import INCARNATION_ENV
-from pagedserve.pipeline.procutil import setup_logging
+from pagedserve import envs, transport
+from pagedserve.lifecycle import setup_logging
+from pagedserve.pipeline import messages
+from pagedserve.pipeline.config import EngineConfig, ModelInfo, build_arg_parser, config_from_args
 
-log = setup_logging("launcher")
+log = logging.getLogger("pagedserve.launcher")
 
-READY_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_READY_TIMEOUT", "600"))
-DRAIN_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_DRAIN_TIMEOUT", "120"))
 HEARTBEAT_ROLES = ("scheduler", "detokenizer")
+ROLE_MODULES = {"scheduler": "pagedserve.pipeline.scheduler.process",
+                "worker": "pagedserve.workers.process",
+                "detokenizer": "pagedserve.pipeline.detokenizer.process",
+                "ingress": "pagedserve.pipeline.ingress.process"}
 
 
 @dataclass(slots=True)
@@ -87,26 +90,30 @@ class Supervisor:
     def __post_init__(self) -> None:
         cfg = self.config
         cfg.ipc.dist_init_addr = cfg.ipc.dist_init_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.children = [Child("scheduler", 0, "pagedserve.pipeline.scheduler.process")]
-        self.children += [Child("worker", r, "pagedserve.workers.worker_process")
-                          for r in range(cfg.parallel.tensor_parallel_size)]
-        self.children.append(Child("detokenizer", 0, "pagedserve.pipeline.detokenizer.process"))
-        if cfg.server.http:
-            self.children.append(Child("ingress", 0, "pagedserve.pipeline.ingress"))
+        roles = ["scheduler", *["worker"] * cfg.parallel.tensor_parallel_size, "detokenizer"]
+        roles += ["ingress"] if cfg.server.http else []
+        ranks = collections.Counter()
+        for role in roles:
+            self.children.append(Child(role, ranks[role], ROLE_MODULES[role]))
+            ranks[role] += 1
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.ctx = zmq.Context()
-        self.control = ipc.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
-        self.to_scheduler = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.events_addr, bind=False)
-        self.to_detok = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
+        self.control = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
+        self.to_scheduler = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.events_addr, bind=False)
+        self.to_detok = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
+        self.dispatcher = transport.Dispatcher("launcher", {
+            messages.Heartbeat: self._on_heartbeat, messages.ProcessReady: self._on_ready,
+            messages.ProcessFatal: self._on_fatal, messages.StepTimeout: self._on_step_timeout,
+        }, log=log, report=lambda tag, why: self._tell_scheduler(
+            messages.UnknownMessage("launcher", tag, why)))
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, child: Child) -> None:
         child.incarnation += 1
         child.ready, child.last_cause, child.last_beat = False, "", time.monotonic()
         cmd = [sys.executable, "-m", child.module, "--config-json", self.config.to_json(),
-               "--rank", str(child.rank)]
-        env = dict(os.environ, PAGEDSERVE_ROLE=child.name)
-        env[INCARNATION_ENV] = str(child.incarnation)
+               "--rank", str(child.rank), "--incarnation", str(child.incarnation)]
+        env = dict(os.environ, **{envs.ROLE_VARIABLE: child.name})
         # Own session: a terminal's Ctrl-C reaches only the launcher, which orders the drain.
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         if child.pidfd >= 0:
@@ -160,22 +167,30 @@ class Supervisor:
     def _handle_control(self) -> None:
         while True:
             try:
-                msg = ipc.recv(self.control, zmq.NOBLOCK)
+                frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if isinstance(msg, messages.Heartbeat):
-                child = self._child(msg.role)
-                if child is not None and child.proc is not None and child.proc.pid == msg.pid:
-                    child.last_beat = time.monotonic()
-            elif isinstance(msg, messages.ProcessReady):
-                self._on_ready(msg)
-            elif isinstance(msg, messages.ProcessFatal):
-                child = self._child(msg.role, msg.rank)
-                if child is not None:
-                    child.last_cause = msg.message
-            elif isinstance(msg, messages.StepTimeout) and not self.draining:
-                self._restart_workers(f"step {msg.step_id} ran past --step-timeout "
-                                      f"({msg.seconds:.0f}s): the worker group hung")
+            try:
+                msg = transport.decode(frames)
+            except transport.WireError as exc:
+                self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
+                continue
+            self.dispatcher.dispatch(msg)
+
+    def _on_heartbeat(self, msg: messages.Heartbeat) -> None:
+        child = self._child(msg.role)
+        if child is not None and child.proc is not None and child.proc.pid == msg.pid:
+            child.last_beat = time.monotonic()
+
+    def _on_fatal(self, msg: messages.ProcessFatal) -> None:
+        child = self._child(msg.role, msg.rank)
+        if child is not None:
+            child.last_cause = msg.message
+
+    def _on_step_timeout(self, msg: messages.StepTimeout) -> None:
+        if not self.draining:
+            self._restart_workers(f"step {msg.step_id} ran past --step-timeout "
+                                  f"({msg.seconds:.0f}s): the worker group hung")
 
     def _on_ready(self, msg: messages.ProcessReady) -> None:
         child = self._child(msg.role, msg.rank)
@@ -189,13 +204,14 @@ class Supervisor:
             self._tell_scheduler(messages.RoleRestarted("ingress"))
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        ready_timeout = self.config.env.ready_timeout
+        deadline = time.monotonic() + ready_timeout
         while not all(c.ready for c in self.children):
             if self.draining:
                 raise _Fatal("interrupted before the group was ready")
             if time.monotonic() > deadline:
                 missing = ", ".join(c.name for c in self.children if not c.ready)
-                raise _Fatal(f"not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
+                raise _Fatal(f"not ready after {ready_timeout:.0f}s: {missing}")
             self._poll(500)
             for c in self.children:
                 if c.proc is not None and c.proc.poll() is not None:
@@ -274,7 +290,7 @@ class Supervisor:
         log.error("giving up: %s", message)
         for sock in (self.to_scheduler, self.to_detok):
             try:
-                ipc.send(sock, messages.GroupFailed(role, message), flags=zmq.NOBLOCK)
+                transport.send(sock, messages.GroupFailed(role, message), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         time.sleep(1.0)  # let the survivors tell their clients why
@@ -282,14 +298,14 @@ class Supervisor:
 
     def _tell_scheduler(self, msg) -> None:
         try:
-            ipc.send(self.to_scheduler, msg, flags=zmq.NOBLOCK)
+            transport.send(self.to_scheduler, msg, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
     # -- shutdown ----------------------------------------------------------------------------
     def _stop_all(self) -> None:
         graceful = self.draining and self.exit_code == 0
-        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if graceful else 5)
+        deadline = time.monotonic() + (self.config.env.drain_timeout if graceful else 5)
         for child in self.children:
             if child.alive and not graceful:
                 child.proc.send_signal(signal.SIGTERM)
@@ -326,14 +342,20 @@ class Supervisor:
                         pass
 
 
-def resolve_model_once(config: EngineConfig) -> None:
-    """Fetch/convert the model in the launcher so the children only read the cache."""
-    from pagedserve.workers.loader import ModelLoadError, resolve_model
-    try:
-        config.model.model = str(resolve_model(config.model.model))
-    except ModelLoadError as exc:
-        log.error("%s", exc)
-        raise SystemExit(2) from None
+def resolve_model(config: EngineConfig) -> None:
+    """Fetch or convert the model once, here, and record what every role needs to know about
+    it in `config.model_info`: the children only read the cache, and none of them imports the
+    loader. Raises ModelLoadError naming the problem."""
+    from pagedserve.workers.loader import load_config, resolve_model as resolve
+    model_dir = str(resolve(config.model.model, config.env.cache_root))
+    model = load_config(model_dir)
+    if config.model.served_model_name is None:
+        config.model.served_model_name = os.path.basename(config.model.model.rstrip("/"))
+    config.model.model = model_dir
+    config.model_info = ModelInfo(
+        model_dir=model_dir, tokenizer_dir=model_dir, architecture=model.architecture,
+        vocab_size=model.vocab_size, max_position_embeddings=model.max_position_embeddings,
+        eos_token_ids=list(model.eos_token_ids), bos_token_id=model.bos_token_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,19 +365,25 @@ def main(argv: list[str] | None = None) -> int:
                              "(the offline API and tests use it)")
     ns = parser.parse_args(argv)
     if ns.die_with_parent:
-        from pagedserve.pipeline.procutil import die_with_parent
+        from pagedserve.lifecycle import die_with_parent
         die_with_parent(signal.SIGTERM)
     del ns.die_with_parent
     try:
         config = config_from_args(ns)
-        from pagedserve.pipeline.faults import ENV, parse
-        parse(os.environ.get(ENV, ""))  # a bad fault spec fails here, once, clearly
+        from pagedserve.faults import parse
+        parse(config.env.fault)  # a bad fault spec fails here, once, clearly
     except (ValueError, TypeError) as exc:
+        setup_logging("launcher")
         log.error("bad configuration: %s", exc)
         return 2
-    if config.model.served_model_name is None:
-        config.model.served_model_name = os.path.basename(config.model.model.rstrip("/"))
-    resolve_model_once(config)
+    setup_logging("launcher", config.env.log_level)
+    envs.install(config.env)
+    from pagedserve.workers.load_error import ModelLoadError
+    try:
+        resolve_model(config)
+    except ModelLoadError as exc:
+        log.error("%s", exc)
+        return 2
     return Supervisor(config).run()
 
 

@@ -1,17 +1,12 @@
 """Offline API: `LLM(model=...).generate(prompts, params)` and the asyncio `AsyncLLM`.
 
 Both start a whole process group (scheduler, workers, detokenizer) in the background through
-the launcher, talk to it with the ZMQ client library, and stop it on `close()`, on
-context-manager exit and at interpreter exit.
+the launcher (pipeline/engine_group.py), talk to it with the ZMQ client library, and stop it on
+`close()`, on context-manager exit and at interpreter exit. `LLM(..., in_process=True)` runs
+the same cores in this process instead (pipeline/engine_core.py).
 """
 from __future__ import annotations
 
-import atexit
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,97 +14,29 @@ from typing import Any
 
 from pagedserve.pipeline.client import AsyncEngineClient, EngineClient
 from pagedserve.pipeline.config import EngineConfig
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.engine_group import EngineGroup
+from pagedserve.pipeline.messages import AddRequest, DeltaBatch, RequestFailed, RequestRejected
+from pagedserve.pipeline.outputs import CompletionOutput, RequestError, RequestOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
-START_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_START_TIMEOUT", "900"))
-
-
-class EngineGroup:
-    """A launcher subprocess running one engine group, with its socket addresses."""
-
-    def __init__(self, **engine_kwargs: Any):
-        from pagedserve.workers.loader import load_tokenizer, resolve_model
-
-        engine_kwargs.setdefault("http", False)
-        config = EngineConfig.from_kwargs(**engine_kwargs)
-        self.model_dir = resolve_model(config.model.model)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
-        config.ipc.ipc_dir = self.ipc_dir
-        config.ipc.fill_defaults()
-        self.frontend_addr = config.ipc.frontend_addr
-        self.output_addr = config.ipc.output_addr
-        argv = _config_to_argv(config, str(self.model_dir))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.launch", *argv],
-                                     start_new_session=True)
-        atexit.register(self.stop)
-
-    def wait_ready(self, client_health) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine group exited with code {self.proc.returncode} "
-                                   "during start-up (its log is above)")
-            if client_health():
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"the engine group was not ready within {START_TIMEOUT_S:.0f}s")
-
-    def stop(self, timeout: float = 120.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        atexit.unregister(self.stop)
-        return self.proc.returncode
-
-
-def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
-    m, c, p, s = config.model, config.cache, config.parallel, config.scheduling
-    argv = ["--model", model_dir, "--dtype", m.dtype, "--quantization", m.quantization,
-            "--seed", str(m.seed),
-            "--block-size", str(c.block_size), "--swap-space", str(c.swap_space),
-            "--kv-cache-dtype", c.kv_cache_dtype,
-            "--gpu-memory-utilization", str(c.gpu_memory_utilization),
-            "--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
-            "--max-num-seqs", str(s.max_num_seqs),
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--max-queued-requests", str(s.max_queued_requests),
-            "--preemption-mode", s.preemption_mode, "--scheduling-policy", s.scheduling_policy,
-            "--step-timeout", str(s.step_timeout),
-            "--max-restarts", str(config.supervisor.max_restarts),
-            "--restart-window", str(config.supervisor.restart_window),
-            "--heartbeat-timeout", str(config.supervisor.heartbeat_timeout),
-            "--ipc-dir", config.ipc.ipc_dir, "--no-http", "--die-with-parent"]
-    if m.served_model_name:
-        argv += ["--served-model-name", m.served_model_name]
-    if m.max_model_len:
-        argv += ["--max-model-len", str(m.max_model_len)]
-    if c.kv_cache_memory:
-        argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
-    if p.cpu_threads:
-        argv += ["--cpu-threads", str(p.cpu_threads)]
-    if p.enforce_eager:
-        argv.append("--enforce-eager")
-    argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
-    argv.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
-    return argv
-
-
 class LLM:
-    """Batch generation against a background engine group (vLLM's `LLM`)."""
+    """Batch generation (vLLM's `LLM`). By default against a background engine group (the
+    launcher's processes); with `in_process=True` on an EngineCore in this process (tensor
+    parallel size 1): the same scheduler, worker and detokenizer, stepped by `generate`."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", **engine_kwargs: Any):
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", *, in_process: bool = False,
+                 **engine_kwargs: Any):
+        self._group = self._client = self._core = None
+        if in_process:
+            self._core = _InProcessEngine(model=model, **engine_kwargs)
+            self.tokenizer = self._core.tokenizer
+            return
         self._group = EngineGroup(model=model, **engine_kwargs)
         self.tokenizer = self._group.tokenizer
         try:
             self._client = EngineClient(self._group.frontend_addr, self._group.output_addr,
-                                        tokenizer=self.tokenizer, connect_timeout=START_TIMEOUT_S)
+                                        tokenizer=self.tokenizer,
+                                        connect_timeout=self._group.start_timeout)
             self._group.wait_ready(lambda: self._client.health(timeout=2.0))
         except BaseException:
             self._group.stop(timeout=10)
@@ -125,6 +52,8 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if self._core is not None:
+            return self._core.generate(list(zip(prompts, params)))
         futures = [self._client.submit(p, sp) for p, sp in zip(prompts, params)]
         return [f.result() for f in futures]
 
@@ -135,13 +64,17 @@ class LLM:
         return self.generate(prompts, params)
 
     def stats(self) -> dict:
-        return self._client.stats()
+        return self._core.core.stats() if self._core is not None else self._client.stats()
 
     @property
     def client(self) -> EngineClient:
+        if self._client is None:
+            raise AttributeError("an in-process LLM has no engine client")
         return self._client
 
     def close(self) -> int | None:
+        if self._core is not None:
+            return 0
         try:
             self._client.close()
         finally:
@@ -152,6 +85,46 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _InProcessEngine:
+    """LLM(in_process=True): requests go to an EngineCore, which generate() steps until they
+    are all done."""
+
+    def __init__(self, **engine_kwargs: Any):
+        from pagedserve.pipeline.engine_core import EngineCore
+        engine_kwargs.setdefault("http", False)
+        self.core = EngineCore.build(EngineConfig.from_kwargs(**engine_kwargs))
+        self.tokenizer = self.core.detokenizer.tokenizer
+
+    def generate(self, requests: list[tuple[Any, SamplingParams]]) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for prompt, params in requests:
+                params.validate()
+                ids = (list(self.tokenizer.encode(prompt)) if isinstance(prompt, str)
+                       else [int(t) for t in prompt])
+                rid = uuid.uuid4().hex
+                outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                             [CompletionOutput(index=i) for i in range(params.n)])
+                self._receive(self.core.submit(AddRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=params,
+                    arrival_time=time.time())), outputs)
+            while not all(out.finished for out in outputs.values()):
+                self._receive(self.core.step(), outputs)
+        except BaseException:
+            self.core.abort(*(rid for rid, out in outputs.items() if not out.finished))
+            raise
+        return list(outputs.values())
+
+    @staticmethod
+    def _receive(msgs: list, outputs: dict[str, RequestOutput]) -> None:
+        for msg in msgs:
+            if isinstance(msg, DeltaBatch):
+                for delta in msg.deltas:
+                    outputs[delta.request_id].apply(delta)
+            elif isinstance(msg, (RequestRejected, RequestFailed)):
+                raise RequestError(msg.status, msg.message, msg.request_id)
 
 
 class AsyncLLM:
@@ -169,10 +142,10 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         group = await loop.run_in_executor(None, lambda: EngineGroup(model=model, **engine_kwargs))
         client = AsyncEngineClient(group.frontend_addr, group.output_addr, tokenizer=group.tokenizer,
-                                   connect_timeout=START_TIMEOUT_S)
+                                   connect_timeout=group.start_timeout)
         try:
             await client.connect()
-            deadline = time.monotonic() + START_TIMEOUT_S
+            deadline = time.monotonic() + group.start_timeout
             while not await client.health(timeout=2.0):
                 if group.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the engine group did not become ready")

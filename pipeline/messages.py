@@ -15,7 +15,8 @@ __all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepRe
            "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
-           "Reset", "StepTimeout", "RoleDown", "RoleRestarted", "GroupFailed", "Heartbeat"]
+           "Reset", "StepTimeout", "RoleDown", "RoleRestarted", "GroupFailed", "Heartbeat",
+           "UnknownMessage"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,3 +313,11 @@ class Heartbeat(msgspec.Struct):
     """Scheduler/detokenizer -> launcher, about once a second from their loops."""
     role: str
     pid: int
+
+
+class UnknownMessage(msgspec.Struct):
+    """Any role -> scheduler: it received a message it does not handle (or could not decode).
+    The scheduler counts these by role and type; /metrics exports the counts."""
+    role: str
+    tag: str
+    reason: str

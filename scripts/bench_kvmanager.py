@@ -24,7 +24,8 @@ from pagedserve.kvmanager import KVCacheManager  # noqa: E402
 
 def sharegpt_lengths(num_samples: int, max_model_len: int) -> list[tuple[int, int]]:
     """(prompt tokens, reply tokens) of first turns, tokenized with the default model."""
-    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
     pairs = list(sharegpt.first_turns(limit=num_samples))

@@ -61,7 +61,8 @@ class RequestResult:
 def load_tokenizer(name: str):
     if name == "none":
         return None
-    from pagedserve.workers.loader import load_tokenizer as load, resolve_model
+    from pagedserve.workers.loader import resolve_model
+    from pagedserve.pipeline.tokenizer import load_tokenizer as load
     return load(resolve_model(name))
 
 

@@ -49,7 +49,7 @@ def cpu_info() -> dict:
     oneDNN multiplies bf16 natively (else bf16 matmuls are emulated) and the dtype `--dtype auto`
     serves."""
     from pagedserve.workers.models.layers import bf16_prepack_supported
-    from pagedserve.workers.worker_process import resolve_dtype
+    from pagedserve.workers.build import resolve_dtype
     return {"cpu_isa": torch.backends.cpu.get_cpu_capability(),
             "bf16_packed": bf16_prepack_supported(),
             "auto_dtype": str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")}

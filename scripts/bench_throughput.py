@@ -42,7 +42,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model  # noqa: E402
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
+
+from pagedserve.pipeline.tokenizer import load_tokenizer
 
 MIN_TOKENS = 4  # vLLM's benchmark drops prompts and replies shorter than this
 

@@ -83,7 +83,7 @@ def greedy_check() -> None:
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
     from pagedserve.workers.testing import hf_greedy, make_tiny_llama
-    from pagedserve.workers.worker_core import WorkerCore
+    from pagedserve.workers.core import WorkerCore
 
     model_dir = make_tiny_llama(Path(tempfile.mkdtemp()), seed=3, num_layers=4, hidden_size=576,
                                 num_heads=9, num_kv_heads=3, intermediate_size=1536,

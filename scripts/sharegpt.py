@@ -25,8 +25,8 @@ DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "datasets"
+    from pagedserve import envs
+    return envs.current().cache_root / "datasets"
 
 
 def dataset_path(directory: str | Path | None = None) -> Path:

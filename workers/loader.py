@@ -217,28 +217,11 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from e
 
 
-def load_tokenizer(model_dir: str | Path):
-    """The fast tokenizer of model_dir, with its chat template when the model has one."""
-    model_dir = Path(model_dir)
-    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
-        raise ModelLoadError(f"{model_dir}: no tokenizer files (tokenizer.json or tokenizer.model)")
-    try:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:
-        raise ModelLoadError(f"{model_dir}: the tokenizer could not be loaded "
-                             f"({type(e).__name__}: {e})") from e
-    if not getattr(tokenizer, "is_fast", False):
-        raise ModelLoadError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported")
-    if not tokenizer.chat_template:
-        logger.info("%s: the tokenizer has no chat template", model_dir)
-    return tokenizer
-
-
 # ---------------------------------------------------------------- resolution
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+    from pagedserve import envs
+    return envs.current().cache_root
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:

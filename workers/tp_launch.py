@@ -48,7 +48,7 @@ def _rank_main(rank: int, size: int, init_method: str, spec: RankSpec, conn: Con
         from pagedserve.workers.loader import load_config
         from pagedserve.workers.model_runner import ModelRunner
         from pagedserve.workers.sampler import Sampler
-        from pagedserve.workers.worker_core import WorkerCore
+        from pagedserve.workers.core import WorkerCore
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device

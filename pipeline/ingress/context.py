@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,14 +40,15 @@ class IngressContext:
     def __post_init__(self) -> None:
         self.metrics = IngressMetrics(self.served_model_names[0])
         self.token_text = TokenText(self.tokenizer)
+        dispatcher = getattr(self.engine, "dispatcher", None)
+        if dispatcher is not None:  # the same Counter: /metrics shows it as it grows
+            self.metrics.engine.local_unknown = dispatcher.unknown
 
     @classmethod
-    def from_config(cls, cfg, engine: Any, tokenizer: Any, model_config: Any) -> "IngressContext":
-        """cfg: EngineConfig; model_config: workers.loader.ModelConfig."""
-        name = cfg.model.served_model_name or os.path.basename(cfg.model.model.rstrip("/"))
-        return cls(engine=engine, tokenizer=tokenizer, served_model_names=[name],
-                   max_model_len=cfg.model.max_model_len or model_config.max_position_embeddings,
-                   vocab_size=model_config.vocab_size,
+    def from_config(cls, cfg, engine: Any, tokenizer: Any) -> "IngressContext":
+        """cfg: an EngineConfig whose model_info the launcher resolved."""
+        return cls(engine=engine, tokenizer=tokenizer, served_model_names=[cfg.served_model_name],
+                   max_model_len=cfg.max_model_len, vocab_size=cfg.model_info.vocab_size,
                    admission=AdmissionController(cfg.scheduling.max_queued_requests,
                                                  cfg.scheduling.max_num_seqs),
                    model_root=cfg.model.model, api_key=cfg.server.api_key,

@@ -60,6 +60,7 @@ class EngineStatsCollector:
         self.model_name = model_name
         self.snapshot: dict[str, Any] = {}
         self._fallback_queue_time = fallback_queue_time
+        self.local_unknown: dict[str, int] = {}  # the ingress's engine client's drops, by type
 
     def collect(self) -> Iterator[Any]:
         stats = self.snapshot
@@ -73,12 +74,26 @@ class EngineStatsCollector:
             yield fam
         yield histogram_family("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                self.model_name, stats.get("iteration_tokens") or {})
+        yield self._unknown_messages(stats)
         if stats.get("request_queue_time"):
             yield histogram_family("vllm:request_queue_time_seconds",
                                    "Time requests spent waiting to be scheduled.",
                                    self.model_name, stats["request_queue_time"])
         else:
             yield from self._fallback_queue_time.collect()
+
+
+    def _unknown_messages(self, stats: dict[str, Any]) -> CounterMetricFamily:
+        """Messages a process received and did not handle: every role's count as the scheduler
+        gathered them, plus this ingress's own engine client."""
+        fam = CounterMetricFamily("pagedserve:unknown_messages",
+                                  "Messages a process received and did not handle (dropped).",
+                                  labels=["role", "type"])
+        for row in stats.get("unknown_messages") or ():
+            fam.add_metric([str(row["role"]), str(row["type"])], float(row["count"]))
+        for tag, count in sorted(self.local_unknown.items()):
+            fam.add_metric(["ingress", tag], float(count))
+        return fam
 
 
 class IngressMetrics:

@@ -50,3 +50,15 @@ class SchedulerConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len}) or long prompts never run; "
                 f"raise it or enable chunked prefill")
+
+    @classmethod
+    def from_engine(cls, cfg) -> "SchedulerConfig":
+        """The scheduler's part of an EngineConfig (whose model the launcher resolved)."""
+        s = cfg.scheduling
+        return cls(max_model_len=cfg.max_model_len, block_size=cfg.cache.block_size,
+                   max_num_seqs=s.max_num_seqs,
+                   max_num_batched_tokens=max(s.max_num_batched_tokens, s.max_num_seqs),
+                   enable_chunked_prefill=s.enable_chunked_prefill,
+                   enable_prefix_caching=cfg.cache.enable_prefix_caching,
+                   max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
+                   policy=s.scheduling_policy)

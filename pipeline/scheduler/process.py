@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import signal
 import sys
@@ -24,14 +25,15 @@ import uuid
 
 import zmq
 
-from pagedserve.pipeline import ipc, messages
+from pagedserve import transport
+from pagedserve.faults import FaultInjector
+from pagedserve.lifecycle import start_role
+from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import EngineConfig
-from pagedserve.pipeline.faults import FaultInjector
-from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
 from pagedserve.pipeline.scheduler.service import SchedulerService
 
-log = setup_logging("scheduler")
+log = logging.getLogger("pagedserve.scheduler")
 IDLE_POLL_MS = 1000
 RESET_RETRY_S = 0.5
 DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
@@ -41,39 +43,25 @@ def worker_identity(rank: int) -> bytes:
     return f"worker{rank}".encode()
 
 
-def scheduler_config(cfg: EngineConfig, max_model_len: int) -> SchedulerConfig:
-    s = cfg.scheduling
-    return SchedulerConfig(
-        max_model_len=max_model_len, block_size=cfg.cache.block_size,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=max(s.max_num_batched_tokens, s.max_num_seqs),
-        enable_chunked_prefill=s.enable_chunked_prefill,
-        enable_prefix_caching=cfg.cache.enable_prefix_caching,
-        max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
-        policy=s.scheduling_policy)
-
-
 class SchedulerProcess:
-    def __init__(self, cfg: EngineConfig):
-        from pagedserve.workers.loader import load_config as load_model_config
+    def __init__(self, cfg: EngineConfig, faults: FaultInjector):
         self.cfg = cfg
-        self.model_config = load_model_config(cfg.model.model)
-        self.max_model_len = cfg.model.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = cfg.max_model_len
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.step_timeout = cfg.scheduling.step_timeout
-        trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        trace = cfg.env.step_trace
         self.trace = open(trace, "a", encoding="utf-8") if trace else None
         self.last_schedule_ms = 0.0
         self.instance = uuid.uuid4().hex[:12]
         self.epoch = 0
-        self.faults = FaultInjector.from_env("scheduler")
+        self.faults = faults
         self.ctx = zmq.Context()
-        self.frontend = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
-        self.workers = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
-        self.events = ipc.make_socket(self.ctx, zmq.PULL, cfg.ipc.events_addr, bind=True)
-        self.detok = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
+        self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
+        self.workers = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
+        self.events = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.events_addr, bind=True)
+        self.detok = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
         self.detok.setsockopt(zmq.SNDHWM, DETOK_HWM)  # backpressure, bounded memory
-        self.control = ipc.make_socket(self.ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
+        self.control = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
         self.block_tables = None
         self.service: SchedulerService | None = None
         self.inflight: messages.StepPlan | None = None
@@ -81,6 +69,12 @@ class SchedulerProcess:
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
+        # One table for all three sockets: the service's messages plus the worker group's; the
+        # second argument is the sender's identity on the ROUTERs (clients, worker ranks) and
+        # None on the PULL (detokenizer, launcher). Built with the service, once workers are up.
+        self.dispatcher = transport.Dispatcher("scheduler", self._group_handlers(), log=log,
+                                               report=self._count_own_unknown)
+        self._early_unknown: list[tuple[str, str]] = []  # before the service exists
 
     @property
     def token(self) -> str:
@@ -92,7 +86,7 @@ class SchedulerProcess:
 
     # -- worker group --------------------------------------------------------------------------
     def _send_resets(self) -> None:
-        reset = ipc.encode(messages.Reset(self.token))
+        reset = transport.encode(messages.Reset(self.token))
         for rank in range(self.tp_size):
             if rank in self.ready_ranks:
                 continue
@@ -115,7 +109,7 @@ class SchedulerProcess:
                      "swapped out in the host pool", why, n, scheduler.num_swapped)
         self._send_resets()
 
-    def _on_worker_ready(self, msg: messages.WorkerReady) -> None:
+    def _on_worker_ready(self, msg: messages.WorkerReady, _peer=None) -> None:
         if msg.token != self.token:
             # A rank that (re)started, or an answer to an older Reset: ask it to join this epoch.
             self.ready_ranks.pop(msg.rank, None)
@@ -142,7 +136,7 @@ class SchedulerProcess:
 
     def build(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         from pagedserve.kvmanager import SharedBlockTables
-        sconf = scheduler_config(self.cfg, self.max_model_len)
+        sconf = SchedulerConfig.from_engine(self.cfg)
         max_blocks = -(-self.max_model_len // sconf.block_size)
         tag = os.path.basename(self.cfg.ipc.ipc_dir) or f"pagedserve-{os.getpid()}"
         _unlink_stale_segment(f"{tag}_bt")  # a killed predecessor could not unlink its own
@@ -150,26 +144,29 @@ class SchedulerProcess:
         self.block_tables = SharedBlockTables(sconf.max_num_seqs + num_cpu_blocks, max_blocks,
                                               name=f"{tag}_bt")
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
-                                          eos_token_ids=self.model_config.eos_token_ids,
+                                          eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
         self.service = SchedulerService(
             scheduler, instance=self.instance,
-            send_to_client=lambda cid, msg: ipc.send_to_peer(self.frontend, msg, cid),
-            send_to_detok=lambda msg: ipc.send(self.detok, msg))
+            send_to_client=lambda cid, msg: transport.send_to_peer(self.frontend, msg, cid),
+            send_to_detok=lambda msg: transport.send(self.detok, msg))
+        for role, tag in self._early_unknown:
+            self.service.count_unknown(role, tag)
+        self.dispatcher.handlers = {**self.service.handlers(), **self._group_handlers()}
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         # Whatever the detokenizer holds belongs to a previous scheduler (if any).
-        ipc.send(self.detok, messages.Reset(self.instance))
+        transport.send(self.detok, messages.Reset(self.instance))
         num_gpu, num_cpu = self.wait_for_workers()
         self.build(num_gpu, num_cpu)
         # What start-up built lives as long as the process: keep it out of the GC's scans
         # (scripts/bench_scheduler.py measures the cycle the same way).
         gc.collect()
         gc.freeze()
-        ipc.send(self.control, messages.ProcessReady("scheduler", 0, os.getpid(),
+        transport.send(self.control, messages.ProcessReady("scheduler", 0, os.getpid(),
                                                      f"{num_gpu} KV blocks"))
         self.faults.started()
         poller = zmq.Poller()
@@ -200,11 +197,11 @@ class SchedulerProcess:
             if self.inflight is not None and now - self.inflight_since > self.step_timeout:
                 log.error("step %d has run %.1fs, past --step-timeout %.1fs: the worker group "
                           "is hung", self.inflight.step_id, now - self.inflight_since, self.step_timeout)
-                ipc.send(self.control, messages.StepTimeout(self.inflight.step_id, self.step_timeout))
+                transport.send(self.control, messages.StepTimeout(self.inflight.step_id, self.step_timeout))
                 self.lose_workers(f"step {self.inflight.step_id} timed out")
             if now - last_liveness >= 1.0:
                 service.abort_silent_clients()
-                ipc.send(self.control, messages.Heartbeat("scheduler", os.getpid()))
+                transport.send(self.control, messages.Heartbeat("scheduler", os.getpid()))
                 last_liveness = now
             if self.workers_ready and self.inflight is None and service.scheduler.has_unfinished():
                 self._start_step()
@@ -220,7 +217,7 @@ class SchedulerProcess:
             # Nothing can run now (e.g. waiting for blocks that an abort will free).
             scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
             return
-        frames = ipc.encode(plan)
+        frames = transport.encode(plan)
         try:
             for rank in range(self.tp_size):
                 self.workers.send_multipart([worker_identity(rank), *frames], copy=False)
@@ -230,26 +227,6 @@ class SchedulerProcess:
             return
         self.inflight = plan
         self.inflight_since = time.monotonic()
-
-    def _drain_workers(self) -> None:
-        while True:
-            try:
-                _, msg = ipc.recv_routed(self.workers, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if isinstance(msg, messages.StepResult):
-                plan = self.inflight
-                if plan is None or plan.step_id != msg.step_id:
-                    continue  # a result from before a reset: its step was discarded
-                self.inflight = None
-                if self.trace is not None:
-                    self._trace_step(plan)
-                self.service.on_step_result(plan, msg)
-            elif isinstance(msg, messages.WorkerReady):
-                self._on_worker_ready(msg)
-            elif isinstance(msg, messages.WorkerFailed):
-                if self.inflight is not None or self.workers_ready:
-                    self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
 
     def _trace_step(self, plan: messages.StepPlan) -> None:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and how long it took."""
@@ -263,57 +240,80 @@ class SchedulerProcess:
             "waiting": len(self.service.scheduler.waiting)}) + "\n")
         self.trace.flush()
 
-    def _drain_frontend(self) -> None:
-        service = self.service
+    # -- receiving -----------------------------------------------------------------------------
+    def _drain(self, sock: zmq.Socket, routed: bool) -> None:
+        """Everything waiting on one socket, through the dispatch table."""
         while True:
             try:
-                client_id, msg = ipc.recv_routed(self.frontend, zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ipc.WireError as exc:
-                log.warning("dropped a malformed client message: %s", exc)
+            peer = frames[0] if routed else None
+            try:
+                msg = transport.decode(frames[1:] if routed else frames)
+            except transport.WireError as exc:
+                self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
                 continue
-            if isinstance(msg, messages.AddRequest):
-                service.on_add(client_id, msg)
-            elif isinstance(msg, messages.Abort):
-                service.seen(client_id)
-                service.on_abort(msg.request_ids)
-            elif isinstance(msg, messages.UtilityCall):
-                service.on_utility(client_id, msg)
+            self.dispatcher.dispatch(msg, peer)
+
+    def _drain_workers(self) -> None:
+        self._drain(self.workers, routed=True)
+
+    def _drain_frontend(self) -> None:
+        self._drain(self.frontend, routed=True)
 
     def _drain_events(self) -> None:
-        service = self.service
-        while True:
-            try:
-                msg = ipc.recv(self.events, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if isinstance(msg, messages.StopMatched):
-                service.on_stop_matched(msg)
-            elif isinstance(msg, messages.Abort):
-                service.on_abort(msg.request_ids)
-            elif isinstance(msg, messages.RoleDown):
-                log.info("%s is down (%s); restarting", msg.role, msg.cause)
-                if msg.role.startswith("worker"):
-                    self.lose_workers(msg.cause)
-                else:
-                    service.roles_down[msg.role] = msg.cause
-            elif isinstance(msg, messages.RoleRestarted):
-                service.roles_down.pop(msg.role, None)
-                if msg.role == "detokenizer":
-                    service.refeed_detokenizer()
-            elif isinstance(msg, messages.GroupFailed):
-                service.fail_all(503, msg.message)
+        self._drain(self.events, routed=False)
+
+    def _count_own_unknown(self, tag: str, _reason: str) -> None:
+        if self.service is None:
+            self._early_unknown.append(("scheduler", tag))
+        else:
+            self.service.count_unknown("scheduler", tag)
+
+    # -- the worker group's messages (the rest are SchedulerService.handlers) -----------------
+    def _group_handlers(self) -> dict:
+        return {messages.StepResult: self._on_step_result,
+                messages.WorkerReady: self._on_worker_ready,
+                messages.WorkerFailed: self._on_worker_failed,
+                messages.RoleDown: self._on_role_down,
+                messages.UnknownMessage: self._on_unknown_message}
+
+    def _on_step_result(self, msg: messages.StepResult, _peer) -> None:
+        plan = self.inflight
+        if plan is None or plan.step_id != msg.step_id:
+            return  # a result from before a reset: its step was discarded
+        self.inflight = None
+        if self.trace is not None:
+            self._trace_step(plan)
+        self.service.on_step_result(plan, msg)
+
+    def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
+        if self.inflight is not None or self.workers_ready:
+            self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
+
+    def _on_role_down(self, msg: messages.RoleDown, _peer) -> None:
+        log.info("%s is down (%s); restarting", msg.role, msg.cause)
+        if msg.role.startswith("worker"):
+            self.lose_workers(msg.cause)
+        else:
+            self.service.roles_down[msg.role] = msg.cause
+
+    def _on_unknown_message(self, msg: messages.UnknownMessage, _peer) -> None:
+        if self.service is None:
+            self._early_unknown.append((msg.role, msg.tag))
+        else:
+            self.service.count_unknown(msg.role, msg.tag)
 
     def shutdown(self) -> None:
-        stop = ipc.encode(messages.Shutdown("scheduler stopped"))
+        stop = transport.encode(messages.Shutdown("scheduler stopped"))
         for rank in range(self.tp_size):
             try:
                 self.workers.send_multipart([worker_identity(rank), *stop], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # that rank is already gone
         try:
-            ipc.send(self.detok, messages.Shutdown("scheduler stopped"), flags=zmq.NOBLOCK)
+            transport.send(self.detok, messages.Shutdown("scheduler stopped"), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         time.sleep(0.05)  # let the shutdown frames leave before the sockets close
@@ -331,10 +331,8 @@ def _unlink_stale_segment(name: str) -> None:
 
 
 def main() -> int:
-    ns = role_arg_parser("pagedserve scheduler").parse_args()
-    cfg = load_config(ns)
-    die_with_parent()
-    proc = SchedulerProcess(cfg)
+    role = start_role("scheduler", "pagedserve scheduler")
+    proc = SchedulerProcess(role.config, role.faults)
 
     def on_term(signum, _frame):
         proc.stop_requested = True
@@ -349,8 +347,8 @@ def main() -> int:
     except Exception as exc:  # a fatal error: tell the launcher, then exit non-zero
         log.exception("fatal: %s", exc)
         try:
-            ipc.send(proc.control, messages.ProcessFatal("scheduler", 0, os.getpid(),
-                                                         f"{type(exc).__name__}: {exc}"))
+            transport.send(proc.control, messages.ProcessFatal("scheduler", 0, os.getpid(),
+                                                               f"{type(exc).__name__}: {exc}"))
         except zmq.ZMQError:
             pass
     finally:

@@ -65,10 +65,36 @@ class SchedulerService:
         self.draining = False
         self.roles_down: dict[str, str] = {}  # role -> cause, while it restarts
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        # Messages some role received and did not handle, by (role, type tag): /metrics shows
+        # them as pagedserve:unknown_messages.
+        self.unknown_messages: dict[tuple[str, str], int] = {}
 
     @property
     def healthy(self) -> bool:
         return not self.roles_down
+
+    def handlers(self) -> dict[type, Callable]:
+        """The messages this service takes, as a dispatch table: handler(msg, sender), the
+        sender being the client's identity (None for the detokenizer and the launcher)."""
+        return {
+            messages.AddRequest: lambda msg, client_id: self.on_add(client_id, msg),
+            messages.Abort: self._on_abort_message,
+            messages.UtilityCall: lambda msg, client_id: self.on_utility(client_id, msg),
+            messages.StopMatched: lambda msg, _sender: self.on_stop_matched(msg),
+            messages.RoleRestarted: lambda msg, _sender: self.on_role_restarted(msg.role),
+            messages.GroupFailed: lambda msg, _sender: self.fail_all(503, msg.message),
+            messages.UnknownMessage: lambda msg, _sender: self.count_unknown(msg.role, msg.tag),
+        }
+
+    def _on_abort_message(self, msg: messages.Abort, client_id: bytes | None) -> None:
+        if client_id is not None:
+            self.seen(client_id)
+        self.on_abort(msg.request_ids)
+
+    def on_role_restarted(self, role: str) -> None:
+        self.roles_down.pop(role, None)
+        if role == "detokenizer":
+            self.refeed_detokenizer()
 
     def seen(self, client_id: bytes) -> None:
         self.last_seen[client_id] = self.clock()
@@ -122,6 +148,10 @@ class SchedulerService:
         else:
             reply = messages.UtilityReply(msg.call_id, error=f"unknown utility method {msg.method!r}")
         self.send_to_client(client_id, reply)
+
+    def count_unknown(self, role: str, tag: str) -> None:
+        key = (role, tag)
+        self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
 
     # -- liveness and recovery -----------------------------------------------------------------
     def abort_silent_clients(self) -> None:
@@ -215,4 +245,6 @@ class SchedulerService:
             "cpu_blocks_used": kv.cpu_blocks_used, "cpu_blocks_total": kv.cpu_blocks_total,
             "num_unfinished_requests": len(self.scheduler.requests),
             "draining": self.draining,
+            "unknown_messages": [{"role": role, "type": tag, "count": n}
+                                 for (role, tag), n in sorted(self.unknown_messages.items())],
         }

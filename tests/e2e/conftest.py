@@ -6,7 +6,9 @@ import os
 import psutil
 import pytest
 
-from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+
+from pagedserve.pipeline.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

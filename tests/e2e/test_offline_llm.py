@@ -34,7 +34,7 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         launcher = psutil.Process(llm._group.proc.pid)
         roles = [" ".join(c.cmdline()) for c in launcher.children()]
         # scheduler, 2 workers, detokenizer (+ this test process as the client)
-        assert sum("pagedserve.workers.worker_process" in r for r in roles) == 2
+        assert sum("pagedserve.workers.process" in r for r in roles) == 2
         assert sum("pagedserve.pipeline.scheduler.process" in r for r in roles) == 1
         assert sum("pagedserve.pipeline.detokenizer.process" in r for r in roles) == 1
         outs = llm.generate(ids, params)

@@ -15,7 +15,8 @@ import pytest
 
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.client import EngineClient
-from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.pipeline.tokenizer import load_tokenizer
 
 TOPICS = ["the sea", "mountains", "a robot", "bread", "the moon", "rivers", "chess", "winter",
           "a library", "trains", "coffee", "bees", "volcanoes", "music", "a garden", "clocks"]

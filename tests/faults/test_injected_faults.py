@@ -10,7 +10,7 @@ import pytest
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.outputs import RequestError
 from tests.faults.conftest import Group, token_ids
-from pagedserve.workers.loader import load_tokenizer
+from pagedserve.pipeline.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

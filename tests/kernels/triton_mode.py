@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kernel_modules():
-    return {name: importlib.import_module(f"kernels.{name}") for name in KERNEL_MODULES}
+    return {name: importlib.import_module(f"pagedserve.kernels.{name}") for name in KERNEL_MODULES}
 
 
 def triton_runs_here() -> bool:

@@ -61,7 +61,7 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
     from dataclasses import asdict
 
     from pagedserve.pipeline.config import EngineConfig
-    from pagedserve.pipeline.llm import _config_to_argv
+    from pagedserve.pipeline.engine_group import _config_to_argv
     given = dict(served_model_name="m", dtype="float32", quantization="int8", max_model_len=999,
                  seed=7,
                  block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,

@@ -16,8 +16,9 @@ import httpx
 import pytest
 import zmq
 
-from pagedserve.pipeline import ipc, messages
-from pagedserve.pipeline.config import EngineConfig
+from pagedserve import transport
+from pagedserve.pipeline import messages
+from pagedserve.pipeline.config import EngineConfig, ModelInfo
 from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -38,8 +39,8 @@ class WireEngine(threading.Thread):
     def __init__(self, cfg: EngineConfig, token_interval: float = 0.01):
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
-        self.frontend = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
-        self.output = ipc.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.output_addr, bind=True)
+        self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
+        self.output = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.output_addr, bind=True)
         self.token_interval = token_interval
         self.added: list[messages.AddRequest] = []
         self.aborted: list[str] = []
@@ -53,7 +54,7 @@ class WireEngine(threading.Thread):
         next_step = time.monotonic()
         while not self._halt.is_set():
             for sock, _ in poller.poll(5):
-                identity, msg = ipc.recv_routed(sock)
+                identity, msg = transport.recv_routed(sock)
                 self.handle(identity, msg)
             if time.monotonic() >= next_step:
                 self.step()
@@ -64,11 +65,11 @@ class WireEngine(threading.Thread):
 
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, messages.Hello):
-            ipc.send(self.output, messages.HelloAck(identity), identity=identity)
+            transport.send(self.output, messages.HelloAck(identity), identity=identity)
         elif isinstance(msg, messages.UtilityCall):
             result = {"ok": True} if msg.method == "health" else {
                 "num_requests_running": len(self.active), "num_requests_waiting": 0}
-            ipc.send(self.frontend, messages.UtilityReply(msg.call_id, result), identity=identity)
+            transport.send(self.frontend, messages.UtilityReply(msg.call_id, result), identity=identity)
         elif isinstance(msg, messages.AddRequest):
             self.added.append(msg)
             self.active[msg.request_id] = {"client": identity, "req": msg, "done": 0}
@@ -87,7 +88,7 @@ class WireEngine(threading.Thread):
                 finish_reason="length" if last else None,
                 num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=st["done"])
                 for i in range(req.sampling.n)]
-            ipc.send(self.output, messages.DeltaBatch(deltas), identity=st["client"])
+            transport.send(self.output, messages.DeltaBatch(deltas), identity=st["client"])
             if last:
                 del self.active[rid]
 
@@ -107,15 +108,19 @@ def group(tmp_path):
     cfg = EngineConfig.from_kwargs(model=str(model_dir), served_model_name="tiny",
                                    host="127.0.0.1", port=free_port(), ipc_dir=str(tmp_path))
     cfg.ipc.fill_defaults()
+    # What the launcher would have resolved (this directory has no weights to load).
+    cfg.model_info = ModelInfo(model_dir=str(model_dir), tokenizer_dir=str(model_dir),
+                               architecture="llama", vocab_size=259, max_position_embeddings=256,
+                               eos_token_ids=[257])
     engine = WireEngine(cfg)
     engine.start()
     zctx = zmq.Context()
-    control = ipc.make_socket(zctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.ingress", "--config-json",
+    control = transport.make_socket(zctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.ingress.process", "--config-json",
                              cfg.to_json(), "--rank", "0"], cwd=ROOT)
     try:
         assert control.poll(120_000), "the ingress never reported ready"
-        ready = ipc.recv(control)
+        ready = transport.recv(control)
         assert isinstance(ready, messages.ProcessReady)
         assert (ready.role, ready.rank, ready.pid) == ("ingress", 0, proc.pid)
         yield cfg, engine, proc

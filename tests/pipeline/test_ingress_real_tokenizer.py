@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.pipeline.tokenizer import load_tokenizer
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 
 

@@ -6,7 +6,7 @@ import msgpack
 import msgspec
 
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.detokenizer.process import DetokenizerService
+from pagedserve.pipeline.detokenizer.service import DetokenizerService
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.pipeline.scheduler.service import SchedulerService
 from sched_fakes import make_scheduler

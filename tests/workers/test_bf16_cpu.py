@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from pagedserve import envs
 from pagedserve.kernels import native_linear
 from test_quantization import BLOCK_SIZE, TEXT, prefill_logits
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model
+from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models import layers
 

@@ -15,8 +15,8 @@ import torch
 
 from pagedserve.workers import loader
 from pagedserve.workers.gguf_files import check_gguf
-from pagedserve.workers.loader import (CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once,
-                            iter_weights, load_config, load_tokenizer, resolve_model)
+from pagedserve.workers.loader import CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once, iter_weights, load_config, resolve_model
+from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

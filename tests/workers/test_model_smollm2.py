@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from test_worker_core import make_core, run_greedy
-from pagedserve.workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.testing import hf_greedy
 
 PROMPTS = [

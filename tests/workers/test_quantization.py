@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import native_linear_q8
 from test_model import all_row_logits
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model
+from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.models.layers import PackableLinear
 from pagedserve.workers.testing import make_tiny_llama

@@ -19,7 +19,7 @@ from pagedserve.workers.loader import load_config
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.sampler import Sampler
 from pagedserve.workers.testing import make_tiny_llama
-from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.core import WorkerCore
 
 BLOCK_SIZE, MAX_MODEL_LEN, NUM_CPU_BLOCKS = 16, 256, 24
 

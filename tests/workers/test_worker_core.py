@@ -11,7 +11,7 @@ from pagedserve.workers.loader import load_config
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.sampler import Sampler
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
-from pagedserve.workers.worker_core import WorkerCore, child_sampling
+from pagedserve.workers.core import WorkerCore, child_sampling
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1000)

@@ -19,8 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-ENV = "PAGEDSERVE_FAULT"
-INCARNATION_ENV = "PAGEDSERVE_INCARNATION"  # set by the launcher: 0 first start, then 1, 2, ...
+ENV = "PAGEDSERVE_FAULT"  # read once by the launcher (pagedserve/envs.py), handed to each role
 
 
 class FaultInjected(RuntimeError):
@@ -74,11 +73,6 @@ class FaultInjector:
                       and (incarnation == 0 or s.every_incarnation)]
         self.messages = 0
         self._fired: set[int] = set()
-
-    @classmethod
-    def from_env(cls, role: str) -> "FaultInjector":
-        return cls(role, parse(os.environ.get(ENV, "")),
-                   int(os.environ.get(INCARNATION_ENV, "0")))
 
     def __bool__(self) -> bool:
         return bool(self.specs)

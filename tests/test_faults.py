@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.pipeline.faults import FaultInjected, FaultInjector, parse
+from pagedserve.faults import FaultInjected, FaultInjector, parse
 
 
 def test_parse_kinds_and_triggers():

@@ -1,20 +1,11 @@
-"""Worker role, one per tensor-parallel rank: `python -m pagedserve.workers.worker_process --rank R ...`.
-
-Thin glue around WorkerCore: connect a DEALER to the scheduler's worker ROUTER, join the
-torch.distributed group, load the model shard and KV cache, report WorkerReady (with the block
-counts this rank can hold), then execute every StepPlan; rank 0 replies with the StepResult.
-"""
+"""Building one worker rank from the engine configuration: its device and dtype, the
+torch.distributed group, the model shard, the KV cache and swap pool, and (rank 0) the sampler.
+The worker process and the in-process EngineCore build their WorkerCore here."""
 from __future__ import annotations
 
 import os
-import sys
 
-import zmq
-
-from pagedserve.pipeline import ipc, messages
 from pagedserve.pipeline.config import EngineConfig
-from pagedserve.pipeline.faults import FaultInjector
-from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
@@ -48,8 +39,10 @@ def resolve_dtype(name: str, device):
     return torch.bfloat16 if native else torch.float32
 
 
-def build_core(cfg: EngineConfig, rank: int):
-    """Model shard, KV cache, swap pool and (rank 0) sampler for this rank."""
+def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
+    """Model shard, KV cache, swap pool and (rank 0) sampler for this rank: (core, device
+    blocks, host blocks). `shared_swap`: the host swap pool lives in shared memory named after
+    the group, so that it outlives a worker restart (in one process a private pool serves)."""
     import torch
     from pagedserve.workers.distributed import init_distributed
     from pagedserve.workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
@@ -58,7 +51,7 @@ def build_core(cfg: EngineConfig, rank: int):
     from pagedserve.workers.loader import load_config as load_model_config
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
-    from pagedserve.workers.worker_core import WorkerCore
+    from pagedserve.workers.core import WorkerCore
 
     tp = cfg.parallel.tensor_parallel_size
     device = pick_device(cfg, rank)
@@ -98,67 +91,5 @@ def build_core(cfg: EngineConfig, rank: int):
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
-                      swap_shm_name=f"{tag}_swap{rank}")
+                      swap_shm_name=f"{tag}_swap{rank}" if shared_swap else None)
     return core, runner_blocks, num_cpu_blocks
-
-
-def main() -> int:
-    ns = role_arg_parser("pagedserve worker").parse_args()
-    cfg = load_config(ns)
-    rank = ns.rank
-    log = setup_logging(f"worker{rank}")
-    die_with_parent()
-    ctx = zmq.Context()
-    sched = ipc.make_socket(ctx, zmq.DEALER, cfg.ipc.plan_addr, bind=False,
-                            identity=f"worker{rank}".encode())
-    control = ipc.make_socket(ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
-    step_id = -1
-    faults = FaultInjector.from_env(f"worker{rank}")
-    applied_token = None
-    try:
-        core, num_blocks, num_cpu_blocks = build_core(cfg, rank)
-        # Unsolicited: the scheduler answers with Reset(token) to make us part of its epoch.
-        ipc.send(sched, messages.WorkerReady(rank, os.getpid(), num_blocks, num_cpu_blocks))
-        ipc.send(control, messages.ProcessReady("worker", rank, os.getpid(),
-                                                f"{num_blocks} KV blocks"))
-        log.info("ready: %d device blocks, %d host blocks", num_blocks, num_cpu_blocks)
-        faults.started()
-        while True:
-            msg = ipc.recv(sched)
-            if isinstance(msg, messages.StepPlan):
-                step_id = msg.step_id
-                faults.on_message(step=step_id)
-                result = core.execute(msg)
-                if result is not None:
-                    ipc.send(sched, result)
-            elif isinstance(msg, messages.Reset):
-                if msg.token != applied_token:  # resent until answered: apply once
-                    core.reset()
-                    applied_token = msg.token
-                ipc.send(sched, messages.WorkerReady(rank, os.getpid(), num_blocks,
-                                                     num_cpu_blocks, msg.token))
-            elif isinstance(msg, messages.Shutdown):
-                log.info("stop (%s)", msg.reason or "shutdown")
-                return 0
-    except KeyboardInterrupt:
-        return 0
-    except Exception as exc:
-        log.exception("fatal at step %d: %s", step_id, exc)
-        text = f"{type(exc).__name__}: {exc}"
-        for sock, msg in ((sched, messages.WorkerFailed(rank, step_id, text)),
-                          (control, messages.ProcessFatal("worker", rank, os.getpid(), text))):
-            try:
-                ipc.send(sock, msg, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        return 1
-    finally:
-        from pagedserve.workers.distributed import destroy_distributed
-        destroy_distributed()
-        sched.close(linger=500)
-        control.close(linger=500)
-        ctx.term()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

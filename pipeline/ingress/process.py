@@ -1,4 +1,4 @@
-"""Ingress role: `python -m pagedserve.pipeline.ingress --config-json <json> --rank 0`.
+"""Ingress role: `python -m pagedserve.pipeline.ingress.process --config-json <json>`.
 
 Loads the tokenizer and model limits, serves the app with uvicorn on uvloop, tells the launcher
 it is ready once the port is listening, and on SIGTERM drains: stop accepting connections,
@@ -7,6 +7,7 @@ finish the in-flight streams, close the engine client, exit 0.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -16,12 +17,11 @@ import uvicorn
 import uvloop
 import zmq
 
-from pagedserve.pipeline import ipc, messages
-from pagedserve.pipeline.procutil import die_with_parent, load_config, role_arg_parser, setup_logging
+from pagedserve import transport
+from pagedserve.lifecycle import start_role
+from pagedserve.pipeline import messages
 
-log = setup_logging("ingress")
-
-ENGINE_CONNECT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_READY_TIMEOUT", "600"))
+log = logging.getLogger("pagedserve.ingress")
 
 
 class _Server(uvicorn.Server):
@@ -40,9 +40,9 @@ class _Server(uvicorn.Server):
 def _notify_launcher(control_addr: str, msg) -> None:
     ctx = zmq.Context()
     try:
-        sock = ipc.make_socket(ctx, zmq.PUSH, control_addr, bind=False)
+        sock = transport.make_socket(ctx, zmq.PUSH, control_addr, bind=False)
         sock.setsockopt(zmq.LINGER, 2000)  # deliver before the socket goes away
-        ipc.send(sock, msg)
+        transport.send(sock, msg)
         sock.close()
     finally:
         ctx.term()
@@ -52,14 +52,12 @@ def build_server(cfg) -> _Server:
     from pagedserve.pipeline.client import AsyncEngineClient
     from pagedserve.pipeline.ingress.app import build_app
     from pagedserve.pipeline.ingress.context import IngressContext
-    from pagedserve.workers.loader import load_config as load_model_config
-    from pagedserve.workers.loader import load_tokenizer
+    from pagedserve.pipeline.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.model)
-    model_config = load_model_config(cfg.model.model)
+    tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir)
     engine = AsyncEngineClient(cfg.ipc.frontend_addr, cfg.ipc.output_addr,
-                               connect_timeout=ENGINE_CONNECT_TIMEOUT_S)
-    ctx = IngressContext.from_config(cfg, engine, tokenizer, model_config)
+                               connect_timeout=cfg.env.ready_timeout)
+    ctx = IngressContext.from_config(cfg, engine, tokenizer)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -89,29 +87,28 @@ async def serve(server: _Server, on_listening) -> None:
 
 
 def main() -> int:
-    ns = role_arg_parser("pagedserve HTTP ingress").parse_args()
-    cfg = load_config(ns)
-    die_with_parent()
+    role = start_role("ingress", "pagedserve HTTP ingress")
+    cfg = role.config
     try:
         server = build_server(cfg)
     except Exception as exc:
         log.error("cannot start: %s", exc)
         _notify_launcher(cfg.ipc.control_addr,
-                         messages.ProcessFatal("ingress", ns.rank, os.getpid(), str(exc)))
+                         messages.ProcessFatal("ingress", role.rank, os.getpid(), str(exc)))
         return 1
 
     def on_listening() -> None:
         log.info("ready: listening on http://%s:%d (model %s)", cfg.server.host, cfg.server.port,
                  server.config.app.state.ctx.model_name)
         _notify_launcher(cfg.ipc.control_addr, messages.ProcessReady(
-            "ingress", ns.rank, os.getpid(), f"http://{cfg.server.host}:{cfg.server.port}"))
+            "ingress", role.rank, os.getpid(), f"http://{cfg.server.host}:{cfg.server.port}"))
 
     try:
         uvloop.run(serve(server, on_listening))
     except SystemExit as exc:  # uvicorn's start-up failure (port in use, engine unreachable)
         log.error("stopped during start-up (code %s)", exc.code)
         _notify_launcher(cfg.ipc.control_addr, messages.ProcessFatal(
-            "ingress", ns.rank, os.getpid(),
+            "ingress", role.rank, os.getpid(),
             f"HTTP server failed to start on {cfg.server.host}:{cfg.server.port} (see its log)"))
         return 1
     except KeyboardInterrupt:

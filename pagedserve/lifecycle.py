@@ -1,0 +1,62 @@
+"""What every role process does first: read the launcher's hand-off, install its environment,
+log with its name, and arrange to die with the launcher."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from pagedserve import envs
+from pagedserve.faults import FaultInjector, parse
+from pagedserve.pipeline.config import EngineConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(slots=True)
+class RoleStart:
+    name: str                 # scheduler, worker0, worker1, detokenizer, ingress
+    rank: int
+    incarnation: int          # 0 at first start, then 1, 2, ... after each restart
+    config: EngineConfig
+    log: logging.Logger
+    faults: FaultInjector
+
+
+def start_role(kind: str, description: str, argv: list[str] | None = None) -> RoleStart:
+    """Parse `--config-json/--rank/--incarnation`, install the config's environment settings,
+    set up logging and the parent-death signal. `kind` "worker" names the role worker<rank>."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config-json", required=True, help="EngineConfig as JSON (from the launcher)")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--incarnation", type=int, default=0,
+                   help="how many times the launcher restarted this role before")
+    ns = p.parse_args(argv)
+    config = EngineConfig.from_json(ns.config_json)
+    envs.install(config.env)
+    name = f"{kind}{ns.rank}" if kind == "worker" else kind
+    log = setup_logging(name, config.env.log_level)
+    die_with_parent()
+    return RoleStart(name, ns.rank, ns.incarnation, config, log,
+                     FaultInjector(name, parse(config.env.fault), ns.incarnation))
+
+
+def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
+    logging.basicConfig(level=level, format=f"%(asctime)s [{role} pid=%(process)d] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    return logging.getLogger(f"pagedserve.{role}")
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to signal us when the launcher dies, so no role outlives its group."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's cleanup still applies
+        pass
+    if os.getppid() == 1:  # parent already gone before prctl took effect
+        os.kill(os.getpid(), sig)

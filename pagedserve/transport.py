@@ -1,0 +1,140 @@
+"""The transport every role shares: ZeroMQ sockets, the wire framing, and dispatch.
+
+Every message is [type tag, msgpack payload] (after any ROUTER identity). The tag is the message
+class name from `pagedserve.pipeline.messages`; the payload is standard msgpack (msgspec's
+encoder), so any language's msgpack library can read the wire. Never pickle.
+
+Each process hands what it receives to a `Dispatcher`: its {message type: handler} table. A
+message no handler takes - an unknown tag, a bad payload, or a type this role does not handle -
+is logged and counted, never dropped silently.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedserve.pipeline import messages
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[bytes, msgspec.msgpack.Decoder] = {
+    name.encode(): msgspec.msgpack.Decoder(cls)
+    for name, cls in vars(messages).items()
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__
+}
+
+
+class WireError(ValueError):
+    """A frame that is not one of our messages; `tag` is what its type frame said."""
+
+    def __init__(self, message: str, tag: str = "?") -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    return [type(msg).__name__.encode(), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Any:
+    if len(frames) != 2:
+        raise WireError(f"expected 2 frames [tag, payload], got {len(frames)}",
+                        f"<{len(frames)} frames>")
+    tag = bytes(frames[0])[:40].decode(errors="replace")
+    decoder = _DECODERS.get(bytes(frames[0]))
+    if decoder is None:
+        raise WireError(f"unknown message tag {tag!r}", tag)
+    try:
+        return decoder.decode(frames[1])
+    except msgspec.DecodeError as exc:
+        raise WireError(f"bad {tag} payload: {exc}", tag) from exc
+
+
+def send(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes | None = None, flags: int = 0) -> None:
+    frames = encode(msg)
+    if identity is not None:
+        frames.insert(0, identity)
+    sock.send_multipart(frames, flags=flags, copy=False)
+
+
+def send_to_peer(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes) -> bool:
+    """Send on a ROUTER to `identity`; False, nothing sent, when that peer is gone (a client
+    that disconnected before its reply: there is no one left to tell)."""
+    try:
+        send(sock, msg, identity=identity)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        return False
+    return True
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> Any:
+    return decode(sock.recv_multipart(flags=flags))
+
+
+def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Any]:
+    frames = sock.recv_multipart(flags=flags)
+    return frames[0], decode(frames[1:])
+
+
+def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
+                identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        # Sending to a peer that is gone raises instead of silently dropping: that is how a
+        # process learns that a client disconnected.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    for opt in (zmq.SNDHWM, zmq.RCVHWM):
+        sock.setsockopt(opt, 0)  # never drop a message of ours because a queue is "full"
+    if bind:
+        if addr.startswith("ipc://"):
+            path = addr[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock
+
+
+class Dispatcher:
+    """One process's {message type: handler} table: `dispatch(msg, *args)` calls
+    `handlers[type(msg)](msg, *args)`. A message of no listed type, or one that did not decode
+    (`reject`), is logged - the first of each type at WARNING - and counted in `unknown`; the
+    optional `report(tag, reason)` tells someone who exports metrics (the scheduler)."""
+
+    def __init__(self, role: str, handlers: dict[type, Callable[..., Any]], *,
+                 log: logging.Logger | None = None,
+                 report: Callable[[str, str], None] | None = None) -> None:
+        self.role = role
+        self.handlers = dict(handlers)
+        self.log = log or logging.getLogger(f"pagedserve.{role}")
+        self.report = report
+        self.unknown: Counter[str] = Counter()
+
+    def dispatch(self, msg: Any, *args: Any) -> Any:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            self.reject(type(msg).__name__, f"{self.role} has no handler for it")
+            return None
+        return handler(msg, *args)
+
+    def reject(self, tag: str, reason: str) -> None:
+        self.unknown[tag] += 1
+        count = self.unknown[tag]
+        self.log.log(logging.WARNING if count == 1 else logging.DEBUG,
+                     "dropped a %s message: %s (%d so far)", tag, reason, count)
+        if self.report is not None:
+            try:
+                self.report(tag, reason)
+            except Exception:  # noqa: BLE001 - a report must never take the receiver down
+                self.log.debug("could not report the dropped %s message", tag, exc_info=True)
