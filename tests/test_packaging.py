@@ -47,3 +47,13 @@ def test_wheel_installs_only_pagedserve(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_pagedserve_serve_takes_the_launchers_flags():
+    from pagedserve.cli import main
+    run = [sys.executable, "-m", "pagedserve.cli"]
+    done = subprocess.run([*run, "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--tensor-parallel-size" in done.stdout
+    bad = subprocess.run([*run, "launch"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown command 'launch'" in bad.stderr
+    assert main([]) == 2

@@ -1,5 +1,7 @@
-"""A ROUTER's reply to a client that has gone is dropped, not fatal (the scheduler once died of
-'Host unreachable' answering a stats call from an ingress that was shutting down)."""
+"""The transport: a ROUTER's reply to a client that has gone is dropped, not fatal (the
+scheduler once died of 'Host unreachable' answering a stats call from an ingress that was
+shutting down); frames are dispatched by type, and what no handler takes is counted."""
+import pytest
 import zmq
 
 from pagedserve import transport
@@ -23,3 +25,39 @@ def test_reply_to_a_gone_peer_is_dropped(tmp_path):
         dealer.close()
         router.close()
         ctx.term()
+
+
+def test_dispatcher_calls_the_handler_of_the_type_and_counts_the_rest(caplog):
+    from pagedserve.transport import Dispatcher
+
+    seen, reported = [], []
+    d = Dispatcher("tester", {messages.Abort: lambda msg, peer: seen.append((msg, peer))},
+                   report=lambda tag, why: reported.append(tag))
+    d.dispatch(messages.Abort(["a"]), b"peer")
+    assert seen == [(messages.Abort(["a"]), b"peer")]
+    with caplog.at_level("DEBUG", logger="pagedserve.tester"):
+        for _ in range(3):
+            assert d.dispatch(messages.Shutdown("x")) is None
+        d.reject("Garbage", "undecodable")
+    assert d.unknown == {"Shutdown": 3, "Garbage": 1} and reported == ["Shutdown"] * 3 + ["Garbage"]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "Shutdown" in warnings[0].getMessage()  # once per type
+
+
+def test_a_failing_report_does_not_take_the_receiver_down():
+    from pagedserve.transport import Dispatcher
+
+    def broken(tag, why):
+        raise OSError("socket gone")
+    d = Dispatcher("tester", {}, report=broken)
+    d.dispatch(messages.Shutdown("x"))
+    assert d.unknown["Shutdown"] == 1
+
+
+def test_undecodable_frames_name_their_tag():
+    with pytest.raises(transport.WireError) as err:
+        transport.decode([b"NoSuchMessage", b"\x80"])
+    assert err.value.tag == "NoSuchMessage"
+    with pytest.raises(transport.WireError) as err:
+        transport.decode([b"Abort", b"\xc1"])
+    assert err.value.tag == "Abort"

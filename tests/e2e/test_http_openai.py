@@ -130,3 +130,36 @@ def test_50_streaming_clients_disconnect_and_blocks_return_to_zero(server):
         assert started.acquire(timeout=1)
     assert group.blocks_in_use() == 0
     assert group.client.stats()["num_unfinished_requests"] == 0
+
+
+def test_a_message_no_role_handles_is_logged_counted_and_exported(server):
+    """A frame the scheduler does not handle (a launcher's Heartbeat on the clients' socket) and
+    one that does not decode are dropped, counted, and shown in /metrics; serving goes on."""
+    import zmq
+
+    from pagedserve import transport
+    from pagedserve.pipeline import messages
+
+    group, base, sdk, model = server
+    ctx = zmq.Context()
+    sock = transport.make_socket(ctx, zmq.DEALER, group.frontend, bind=False, identity=b"stray")
+    try:
+        transport.send(sock, messages.Heartbeat("nobody", 1))
+        sock.send_multipart([b"NoSuchMessage", b"\x80"])
+
+        def dropped() -> dict:
+            text = httpx.get(f"{base}/metrics", timeout=30).text
+            return {(s.labels["role"], s.labels["type"]): s.value
+                    for fam in text_string_to_metric_families(text)
+                    if fam.name == "pagedserve:unknown_messages" for s in fam.samples}
+
+        import time
+        deadline = time.monotonic() + 10
+        while len(dropped()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dropped() == {("scheduler", "Heartbeat"): 1.0, ("scheduler", "NoSuchMessage"): 1.0}
+        out = sdk.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    finally:
+        sock.close(0)
+        ctx.term()
