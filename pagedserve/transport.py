@@ -128,6 +128,21 @@ class Dispatcher:
             return None
         return handler(msg, *args)
 
+    def receive(self, frames: list[bytes], *, routed: bool = False,
+                with_sender: bool | None = None) -> Any:
+        """Decode one received frame set and dispatch it; one that does not decode is rejected.
+        `routed`: it starts with the sender's identity (a ROUTER's). `with_sender` (default:
+        `routed`): pass the sender (None when not routed) to the handler."""
+        sender = frames[0] if routed else None
+        try:
+            msg = decode(frames[1:] if routed else frames)
+        except WireError as exc:
+            self.reject(exc.tag, f"undecodable: {exc}")
+            return None
+        if routed if with_sender is None else with_sender:
+            return self.dispatch(msg, sender)
+        return self.dispatch(msg)
+
     def reject(self, tag: str, reason: str) -> None:
         self.unknown[tag] += 1
         count = self.unknown[tag]

@@ -169,13 +169,7 @@ class AsyncEngineClient:
         while True:
             for sock, _ in await poller.poll():
                 while sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    frames = await sock.recv_multipart()
-                    try:
-                        msg = transport.decode(frames)
-                    except transport.WireError as exc:
-                        self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
-                        continue
-                    self.dispatcher.dispatch(msg)
+                    self.dispatcher.receive(await sock.recv_multipart())
 
     async def _heartbeat_loop(self) -> None:
         """Keep the scheduler aware of us, notice its restarts, and give up on a dead engine."""

@@ -44,7 +44,7 @@ class ModelArgs:
     model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None
     # auto: bfloat16 where the device has native bf16 matmuls, else float32 (CPU) / float16
-    # (CUDA); see workers/process.py resolve_dtype. float32 for exact reference checks.
+    # (CUDA); see workers/build.py resolve_dtype. float32 for exact reference checks.
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
@@ -171,8 +171,8 @@ class IpcArgs:
     ipc_dir: str = ""
     frontend_addr: str = ""   # scheduler ROUTER: AddRequest / Abort / utility calls
     output_addr: str = ""     # detokenizer ROUTER: TextDelta to the owning client
-    plan_addr: str = ""       # scheduler PUB -> workers SUB: StepPlan
-    events_addr: str = ""     # scheduler PULL <- worker results, readiness, StopMatched
+    plan_addr: str = ""       # scheduler ROUTER <-> worker DEALERs: StepPlan, Reset / results
+    events_addr: str = ""     # scheduler PULL <- detokenizer and launcher: StopMatched, RoleDown
     detok_addr: str = ""      # detokenizer PULL <- scheduler TokenBatch
     control_addr: str = ""    # launcher PULL <- every child's Ready / Fatal
     dist_init_addr: str = ""  # torch.distributed rendezvous (tcp://host:port)

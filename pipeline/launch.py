@@ -170,12 +170,7 @@ class Supervisor:
                 frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = transport.decode(frames)
-            except transport.WireError as exc:
-                self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
-                continue
-            self.dispatcher.dispatch(msg)
+            self.dispatcher.receive(frames)
 
     def _on_heartbeat(self, msg: messages.Heartbeat) -> None:
         child = self._child(msg.role)

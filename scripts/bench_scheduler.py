@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--cycles", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-store", action="store_true",
+                    help="do not write the result under benchmarks/results/")
     args = ap.parse_args()
 
     max_tokens = args.cycles + 64  # nobody finishes while we measure
@@ -85,9 +87,13 @@ def main() -> None:
           f"schedule+update wall p50 {p50:.3f} ms, p99 {p99:.3f} ms; "
           f"CPU p50 {cpu_p50:.3f} ms, p99 {cpu_p99:.3f} ms "
           f"({cpu_p50 * 1e3 / args.running:.2f} us CPU per sequence)")
-    print(json.dumps({"cycle_ms_p50": round(p50, 4), "cycle_ms_p99": round(p99, 4),
-                      "cycle_cpu_ms_p50": round(cpu_p50, 4), "cycle_cpu_ms_p99": round(cpu_p99, 4),
-                      "running": args.running, "waiting": args.waiting, "cycles": args.cycles}))
+    result = {"cycle_ms_p50": round(p50, 4), "cycle_ms_p99": round(p99, 4),
+              "cycle_cpu_ms_p50": round(cpu_p50, 4), "cycle_cpu_ms_p99": round(cpu_p99, 4),
+              "running": args.running, "waiting": args.waiting, "cycles": args.cycles}
+    if not args.no_store:
+        import bench_record
+        print(f"stored in {bench_record.store('bench_scheduler', result)}")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -101,17 +101,23 @@ def roofline_tok_s(config, dtype: torch.dtype, device: str, tokens: int = 256
 # ------------------------------------------------------------------------------------ engine
 
 def run_engine(requests: list[BenchRequest], model: str, engine_kwargs: dict,
-               progress_s: float = 30.0) -> dict:
+               progress_s: float = 30.0, in_process: bool = False) -> dict:
     """All requests submitted at once (what `LLM.generate` does), with a progress line every
-    `progress_s` seconds from the scheduler's stats."""
+    `progress_s` seconds from the scheduler's stats. `in_process`: on an EngineCore in this
+    process (LLM(in_process=True)) instead of the process group."""
     from pagedserve.pipeline import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
               for r in requests]
     wanted = sum(r.output_len for r in requests)
-    with LLM(model=model, **engine_kwargs) as llm:
+    with LLM(model=model, in_process=in_process, **engine_kwargs) as llm:
         llm.generate([requests[0].prompt_ids], SamplingParams(temperature=0.0, max_tokens=4,
                                                               ignore_eos=True))  # warm-up
+        if in_process:  # the EngineCore steps inside generate(): no progress lines
+            start = time.perf_counter()
+            outputs = llm.generate([r.prompt_ids for r in requests], params)
+            elapsed = time.perf_counter() - start
+            return _checked(requests, outputs, elapsed, llm.stats()["num_preemptions"])
         base = llm.stats()["generation_tokens"]
         start = time.perf_counter()
         futures = [llm.client.submit(r.prompt_ids, p) for r, p in zip(requests, params)]
@@ -127,6 +133,11 @@ def run_engine(requests: list[BenchRequest], model: str, engine_kwargs: dict,
         elapsed = time.perf_counter() - start
         outputs = [f.result() for f in futures]
         preemptions = llm.stats()["num_preemptions"]
+    return _checked(requests, outputs, elapsed, preemptions)
+
+
+def _checked(requests: list[BenchRequest], outputs: list, elapsed: float,
+             preemptions: int) -> dict:
     got = [len(o.outputs[0].token_ids) for o in outputs]
     wrong = [(i, g, r.output_len) for i, (g, r) in enumerate(zip(got, requests)) if g != r.output_len]
     if wrong:
@@ -212,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="compute threads per CPU worker rank (default: the engine's)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine's cores in this process (EngineCore, TP=1) instead of "
+                        "the process group")
+    p.add_argument("--no-store", action="store_true",
+                   help="do not write the result under benchmarks/results/")
     p.add_argument("--roofline-tokens", type=int, default=256,
                    help="rows of the roofline matmuls (bench_step uses its largest batch, 256)")
     return p
@@ -252,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.cpu_threads:
         engine_kwargs["cpu_threads"] = args.cpu_threads
-    ours = run_engine(requests, str(model_dir), engine_kwargs)
+    ours = run_engine(requests, str(model_dir), engine_kwargs, in_process=args.in_process)
     print(f"pagedserve: {ours['requests']} requests in {ours['elapsed_s']:.1f}s: "
           f"{ours['requests_s']:.2f} requests/s, {ours['output_tok_s']:.1f} output tok/s, "
           f"{ours['total_tok_s']:.1f} total tok/s ({100 * ours['output_tok_s'] / roofline:.1f}% "
@@ -271,13 +287,16 @@ def main(argv: list[str] | None = None) -> dict:
               "frac_of_torch_roofline": round(ours["output_tok_s"] / torch_roofline, 3),
               "hf_static_output_tok_s": None, "hf_num_prompts": 0, "ratio_vs_hf": None,
               "preemptions": ours["preemptions"], "cpu_threads": args.cpu_threads,
-              "load_avg": _loadavg()}
+              "in_process": args.in_process, "load_avg": _loadavg()}
     if not args.skip_hf:
         report.update(compare_with_hf(requests, args, model_dir, tokenizer, dtype, device,
                                       ours["output_tok_s"]))
     print(f"targets (issue 6, meant for N=200): >= 10x transformers static: "
           f"{_verdict(report['ratio_vs_hf'], 10)}; >= 40% of roofline: "
           f"{_verdict(report['frac_of_roofline'], 0.4)}", flush=True)
+    if not args.no_store:
+        import bench_record
+        print(f"stored in {bench_record.store('bench_throughput', report, argv)}", flush=True)
     print(json.dumps(report), flush=True)
     return report
 

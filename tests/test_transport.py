@@ -61,3 +61,17 @@ def test_undecodable_frames_name_their_tag():
     with pytest.raises(transport.WireError) as err:
         transport.decode([b"Abort", b"\xc1"])
     assert err.value.tag == "Abort"
+
+
+def test_receive_decodes_routes_and_rejects():
+    from pagedserve.transport import Dispatcher
+
+    got = []
+    d = Dispatcher("tester", {messages.Abort: lambda msg, *sender: got.append((msg, sender))})
+    d.receive(transport.encode(messages.Abort(["a"])))
+    d.receive([b"id", *transport.encode(messages.Abort(["b"]))], routed=True)
+    d.receive(transport.encode(messages.Abort(["c"])), with_sender=True)
+    d.receive([b"id", b"Abort", b"\xc1"], routed=True)
+    assert got == [(messages.Abort(["a"]), ()), (messages.Abort(["b"]), (b"id",)),
+                   (messages.Abort(["c"]), (None,))]
+    assert d.unknown == {"Abort": 1}

@@ -40,12 +40,7 @@ def main() -> int:
         log.info("ready: %d device blocks, %d host blocks", num_blocks, num_cpu_blocks)
         role.faults.started()
         while True:
-            try:
-                msg = transport.recv(sched)
-            except transport.WireError as exc:
-                dispatcher.reject(exc.tag, f"undecodable: {exc}")
-                continue
-            dispatcher.dispatch(msg)
+            dispatcher.receive(sched.recv_multipart())
     except WorkerStopped as stop:
         log.info("stop (%s)", stop)
         return 0

@@ -95,15 +95,9 @@ def _receive(sock, dispatcher: transport.Dispatcher, *, routed: bool, limit: int
     while (limit is None or handled < limit) and sock.get(zmq.EVENTS) & zmq.POLLIN:
         frames = sock.recv_multipart()
         handled += 1
-        peer = frames[0] if routed else None
-        try:
-            msg = transport.decode(frames[1:] if routed else frames)
-        except transport.WireError as exc:
-            dispatcher.reject(exc.tag, f"undecodable: {exc}")
-            continue
         if faults is not None:
             faults.on_message()
-        dispatcher.dispatch(msg, peer)
+        dispatcher.receive(frames, routed=routed, with_sender=True)
 
 
 if __name__ == "__main__":

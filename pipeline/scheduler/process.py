@@ -248,13 +248,7 @@ class SchedulerProcess:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            peer = frames[0] if routed else None
-            try:
-                msg = transport.decode(frames[1:] if routed else frames)
-            except transport.WireError as exc:
-                self.dispatcher.reject(exc.tag, f"undecodable: {exc}")
-                continue
-            self.dispatcher.dispatch(msg, peer)
+            self.dispatcher.receive(frames, routed=routed, with_sender=True)
 
     def _drain_workers(self) -> None:
         self._drain(self.workers, routed=True)

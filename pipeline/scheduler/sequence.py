@@ -222,7 +222,7 @@ class StepOutputs(CollectionSequence):
     """What `Scheduler.update` returns for one step: a SequenceOutput per sample that gained a
     token. The plain ones (one token, not finished, no logprobs: nearly all of them) stay as two
     parallel columns - the sample's Sequence and its token - which the scheduler process
-    forwards without building an object per sample; `others` holds the rest, in plan order.
+    forwards without building an object per sample; `others` holds the rest, in sequence order.
     Indexing and iterating give SequenceOutputs (built on demand), the columns first; the
     columns read the live sequences, so read a step's outputs before the next `update`.
     """
