@@ -75,6 +75,13 @@ class EngineStatsCollector:
         yield histogram_family("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                self.model_name, stats.get("iteration_tokens") or {})
         yield self._unknown_messages(stats)
+        restarts = CounterMetricFamily("pagedserve:process_restarts",
+                                       "Restarts of each role since the scheduler started (the "
+                                       "scheduler's own: since the group started).",
+                                       labels=["role"])
+        for role, count in sorted((stats.get("restarts") or {}).items()):
+            restarts.add_metric([str(role)], float(count))
+        yield restarts
         if stats.get("request_queue_time"):
             yield histogram_family("vllm:request_queue_time_seconds",
                                    "Time requests spent waiting to be scheduled.",
