@@ -4,7 +4,8 @@ PackableLinear (workers/models/layers.py) packs its weight for the kernel `cpu_l
 RMSNorm, SiLU-and-mul and RoPE + KV store ask `native_cpu_elementwise` and their wrapper's
 `supports`, attention dispatches through kernels/__init__.py; `kernel_paths` reports the same
 decisions, from the same predicates, for the worker's start-up line (workers/model_runner.py).
-Settings come from pagedserve.envs; the cached choices are dropped when they change.
+Settings come from pagedserve.envs; the cached choices are dropped when they change, or when a
+test selects another native build variant.
 """
 from __future__ import annotations
 
@@ -113,12 +114,14 @@ def native_cpu_elementwise() -> bool:
 
 
 def clear_cache() -> None:
-    """Drop the cached choices (settings changed; tests that patch what the host offers)."""
+    """Drop the cached choices (settings or the native build variant changed; tests that patch
+    what the host offers)."""
     fp32_linear.cache_clear()
     bf16_linear.cache_clear()
 
 
 envs.on_change(clear_cache)
+native.on_variant_change(clear_cache)
 
 
 def _triton(device_type: str) -> KernelPath:

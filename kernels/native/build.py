@@ -1,9 +1,10 @@
 """Compiling one native feature into a cached shared library.
 
-A library lives at <cache>/kernels/<feature>-<key>/pagedserve_<feature>.so, keyed by its sources
-and the local headers they include, the compiler and its flags, and the CPU's feature flags
-(-march=native): a second process or a restarted worker loads it in milliseconds, and a machine
-with other CPU features builds its own. Concurrent builders (tensor-parallel ranks starting
+A library lives at <cache>/kernels/<feature>-<variant>-<key>/pagedserve_<feature>.so, keyed by its
+sources and the local headers they include, the compiler and its flags, the build variant
+(variants.py: native, avx512, avx2, portable, mapped to flags for this architecture) and the
+CPU's feature flags: a second process or a restarted worker loads it in milliseconds, and a
+machine with other CPU features builds its own. Concurrent builders (tensor-parallel ranks starting
 together) serialize on a file lock in the key's folder; the library is renamed into place
 atomically, so a reader never sees half a file that this code wrote.
 """
@@ -23,8 +24,11 @@ from pathlib import Path
 
 from pagedserve import envs
 
+from . import variants
+
 SOURCE_DIR = Path(__file__).parent
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC",
+# every variant's; the target (-march, -mcpu, -m<isa>) comes from the variant
+BASE_FLAGS = ("-O3", "-fopenmp", "-pthread", "-fPIC",
               "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 _TIMEOUT_S = 300
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -38,10 +42,33 @@ def find_compiler() -> str | None:
     return envs.current().cc or shutil.which("gcc") or shutil.which("cc")
 
 
-def flags() -> tuple[str, ...]:
-    """BASE_FLAGS, then PAGEDSERVE_NATIVE_CFLAGS (tests build the AVX2 and the portable variants
-    on an AVX-512 CPU with -mno-avx512f, -mno-avx2 ...)."""
-    return BASE_FLAGS + tuple(envs.current().native_cflags.split())
+def machine() -> str:
+    """This machine's architecture: x86_64, aarch64, or what platform.machine() says."""
+    return variants.architecture(platform.machine())
+
+
+@functools.cache
+def compiler_accepts(compiler: str, target_flags: tuple[str, ...]) -> bool:
+    """Whether `compiler` builds a C file with these flags, warning-free (clang only warns about
+    some flags it ignores). OSError when the compiler cannot be run at all."""
+    result = subprocess.run([compiler, *target_flags, "-Werror", "-x", "c", "-c", "-o",
+                             os.devnull, "-"], input="int pagedserve_probe;\n",
+                            capture_output=True, text=True, timeout=60)
+    return result.returncode == 0
+
+
+def variant_flags(compiler: str, variant: str) -> tuple[str, ...]:
+    """The target flags of `variant` here; VariantUnavailable with the reason where this machine
+    cannot build or run it."""
+    return variants.resolve(variant, machine(), cpu_flags(),
+                            functools.partial(compiler_accepts, compiler))
+
+
+def flags(compiler: str, variant: str = variants.DEFAULT) -> tuple[str, ...]:
+    """BASE_FLAGS, the variant's target flags, then PAGEDSERVE_NATIVE_CFLAGS (an extra: tests
+    choose variants, not raw flags, which would be x86-only)."""
+    return (BASE_FLAGS + variant_flags(compiler, variant)
+            + tuple(envs.current().native_cflags.split()))
 
 
 def _cpu_flags_line() -> str:
@@ -56,7 +83,8 @@ def _cpu_flags_line() -> str:
 
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (avx2, avx512f, amx_bf16, ...; empty where /proc/cpuinfo has
-    none): what -march=native builds for, and what other CPU choices go by."""
+    none): what -march=native builds for, what decides which variants run here, and what other
+    CPU choices go by."""
     line = _cpu_flags_line()
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
@@ -81,10 +109,10 @@ def local_files(sources: tuple[str, ...], directory: Path) -> list[Path]:
     return [directory / name for name in sorted(seen)]
 
 
-def build_key(name: str, sources: tuple[str, ...], directory: Path, compiler: str,
+def build_key(name: str, variant: str, sources: tuple[str, ...], directory: Path, compiler: str,
               build_flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    parts = [name.encode()]
+    parts = [name.encode(), variant.encode()]
     for path in local_files(sources, directory):
         parts += [path.name.encode(), path.read_bytes()]
     parts += [" ".join(build_flags).encode(), _compiler_version(compiler).encode(),

@@ -15,6 +15,8 @@ import pytest
 import torch
 from triton_mode import DEVICE, kernel_modules, triton_runs_here
 
+from pagedserve.kernels import native
+
 if DEVICE == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -39,3 +41,14 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"torch seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module", params=native.VARIANTS)
+def native_variant(request):
+    """Each native build variant this machine can build and run, selected for the tests of a
+    module (native_variants.PER_VARIANT); one it cannot run skips them with the reason."""
+    reason = native.variant_unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    with native.use_variant(request.param):
+        yield request.param

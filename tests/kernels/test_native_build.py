@@ -1,21 +1,26 @@
-"""One library per native feature (kernels/native): a feature that fails to compile leaves the
-others native, a cached library that does not load is built again once, and a cache folder that
-others may write to is refused."""
+"""One library per native feature (kernels/native): a feature builds into a fresh cache alone and
+reports a missing compiler, a feature that fails to compile leaves the others native, a cached
+library that does not load is built again once, and a cache folder that others may write to is
+refused."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from native_variants import NEEDS_COMPILER
 
 from pagedserve import envs
 from pagedserve.kernels import native, native_elementwise, native_linear, paths
 from pagedserve.kernels.native import FEATURES, build
 
-pytestmark = pytest.mark.skipif(build.find_compiler() is None or shutil.which(
-    build.find_compiler()) is None, reason="no C compiler")
+pytestmark = NEEDS_COMPILER
 
 
 @pytest.fixture
@@ -23,6 +28,25 @@ def fresh_cache(tmp_path):
     """An empty PAGEDSERVE_CACHE for the test (what was loaded before is resolved again)."""
     with envs.override(cache_dir=str(tmp_path / "cache")) as env:
         yield env.cache_root
+
+
+def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
+    code = ("from pagedserve.kernels import native\n"
+            "lib = native.library('rope_store')\n"
+            "print('built' if lib is not None else native.unavailable_reason('rope_store'))\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-2000:]
+    # only the feature it used, in the default variant
+    assert [path.parent.name.split("-")[:2] for path in tmp_path.glob("kernels/*/*.so")] == [
+        ["rope_store", "native"]]
+    env = dict(env, CC=str(tmp_path / "no-such-compiler"), PAGEDSERVE_CACHE=str(tmp_path / "b"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=root)
+    assert result.returncode == 0 and result.stdout.startswith(
+        "native rope_store kernels unavailable: ") and "no-such-compiler" in result.stdout
 
 
 def test_a_feature_that_fails_to_compile_leaves_the_others_native(tmp_path, monkeypatch):
