@@ -1,24 +1,19 @@
 """The native CPU decode kernel (kernels/native) against the torch reference and the naive
 per-sequence attention: GQA, block sizes 16 and 32, ragged contexts (some longer than one
-partition), shuffled tables padded with -1, head sizes on the vector path and off it, and the
-AVX2 and portable builds of an AVX-512 CPU."""
-import os
-import subprocess
-import sys
-
+partition), shuffled tables padded with -1, head sizes on the vector path and off it; in every
+build variant this machine runs, each of which must build the vector body it stands for."""
 import pytest
 import torch
+from native_variants import PER_VARIANT, expected_vector_lanes
 from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
 
 from pagedserve import kernels
-from pagedserve.kernels import native, native_decode_attention
+from pagedserve.kernels import native_decode_attention
 from pagedserve.kernels.kv_format import to_storage
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
 
-FEATURE = native_decode_attention.FEATURE
-pytestmark = pytest.mark.skipif(native.library(FEATURE) is None,
-                                reason=f"no native kernels: {native.unavailable_reason(FEATURE)}")
+pytestmark = PER_VARIANT
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -141,71 +136,6 @@ def test_fp16_falls_back_to_the_torch_path(rng):
     assert rel_error(out, paged_decode_attention_ref(*args)) < 2e-2
 
 
-def test_builds_into_a_fresh_cache_and_reports_a_missing_compiler(tmp_path):
-    code = ("from pagedserve.kernels import native\n"
-            "lib = native.library('decode_attention')\n"
-            "print('built' if lib is not None else\n"
-            "      native.unavailable_reason('decode_attention'))\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=300, cwd=root)
-    assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-2000:]
-    assert [path.parent.name.split("-")[0] for path in tmp_path.glob("kernels/*/*.so")] == [
-        "decode_attention"]                 # only the feature it used
-    env = dict(env, CC=str(tmp_path / "no-such-compiler"), PAGEDSERVE_CACHE=str(tmp_path / "b"))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=300, cwd=root)
-    assert result.returncode == 0 and result.stdout.startswith(
-        "native decode_attention kernels unavailable: ") and "no-such-compiler" in result.stdout
-
-
-_VARIANT_CHECK = """
-import torch
-from paged_inputs import make_kv_cache, rel_error, shuffled_block_tables
-from pagedserve.kernels import native
-from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
-from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
-assert native.library("decode_attention") is not None, native.unavailable_reason("decode_attention")
-rng = torch.Generator().manual_seed(0)
-for dtype, cache, tol in ((torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
-                         (torch.float32, torch.float8_e4m3fn, 1e-5),
-                         (torch.float32, torch.float8_e5m2, 1e-5)):
-    for hq, hkv, d in ((9, 3, 64), (8, 1, 128), (4, 4, 64)):
-        lens = [70, 1, 17, 1100, 5, 513, 64]
-        blocks = sum(-(-n // 16) for n in lens) + 3
-        kv = make_kv_cache(rng, 1, blocks, 16, hkv, d, dtype)
-        if cache is not None:
-            kv = kv.to(cache)
-        tables = shuffled_block_tables(rng, lens, 16, blocks)
-        q = torch.randn(len(lens), hq, d, generator=rng).to(dtype)
-        args = (q, kv[0, 0], kv[0, 1], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
-        err = rel_error(paged_decode_attention_native(*args), paged_decode_attention_ref(*args))
-        assert err < tol, (dtype, hq, hkv, d, err)
-from pagedserve.kernels import native_linear   # the fp32 and bf16 linears with the same flags
-for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):
-    for m, n, k in ((1, 17, 576), (7, 100, 33), (13, 64, 1536)):
-        w = torch.randn(n, k, generator=rng).to(dtype)
-        x = torch.randn(m, k, generator=rng).to(dtype)
-        out = native_linear.linear(x, native_linear.pack(w), n)
-        assert out.dtype == dtype and torch.allclose(
-            out.double(), x.double() @ w.double().t(), rtol=rtol, atol=1e-3), (dtype, m, n, k)
-print("ok")
-"""
-
-
-@pytest.mark.parametrize("cflags", [
-    pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(
-        "avx512f" not in native.cpu_flags(),
-        reason="the default build of this CPU is the AVX2 one")),
-    pytest.param("-mno-avx512f -mno-avx2 -mno-fma", id="portable")])
-def test_narrower_isa_builds_match_the_reference(tmp_path, cflags):
-    # On an AVX-512 CPU -march=native takes the 16-lane path; these builds check the 8-lane
-    # AVX2 body and the portable one at the same shapes.
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path), PAGEDSERVE_NATIVE_CFLAGS=cflags,
-               PYTHONPATH=os.pathsep.join([here, root]))
-    result = subprocess.run([sys.executable, "-c", _VARIANT_CHECK], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=root)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+def test_the_variant_builds_its_vector_body(native_variant):
+    # 16 lanes: AVX-512, 8: AVX2 + FMA + F16C, 0: portable; native: what this CPU has
+    assert native_decode_attention.vector_lanes() == expected_vector_lanes(native_variant)

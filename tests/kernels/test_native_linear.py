@@ -1,15 +1,16 @@
 """kernels/native_linear.py (kernels/native/linear_panels.h: linear_f32.c, linear_bf16.c) against
 a float64 product: every row count of the 6-row micro-kernel and its remainders, partial panels,
-strided inputs, the bf16 layout and rounding, bad input."""
+strided inputs, the bf16 layout and rounding, bad input; in every build variant this machine runs
+(AVX-512 and AVX2 FMAs from the same vector extensions, and the portable build)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from native_variants import PER_VARIANT
 
 from pagedserve.kernels import native_linear
 
-pytestmark = pytest.mark.skipif(not native_linear.available(),
-                                reason="the native kernels cannot be built here")
+pytestmark = PER_VARIANT
 
 
 def _assert_matches_float64(out, x, weight):

@@ -160,6 +160,7 @@ def test_a_wrong_declaration_is_caught(compiler):
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="no nm to list a library's symbols")
+@pytest.mark.usefixtures("native_variant")
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_each_library_exports_exactly_its_declared_functions(name):
     if native.library(name) is None:
