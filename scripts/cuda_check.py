@@ -5,6 +5,10 @@
 Sections, each independent (a failing one prints its traceback and the next still runs):
 1. kernels: the Triton kernel tests (tests/kernels), compiled for this GPU, against the torch
    references.
+   native: the native CPU kernel tests (tests/kernels/test_native_*.py) in every build variant
+   this host's CPU runs, with the counts of passed, failed and skipped tests and why variants
+   were skipped: a GPU box's CPU usually has AVX-512, which CI's may lack, so the AVX-512 bodies
+   get run here.
 2. greedy: a random-weight Llama with SmolLM2's head layout (9 query / 3 kv heads of 64) served by
    our WorkerCore on the GPU in fp32, prompts fed in chunks of 7 with shuffled block tables, all 8
    batched every step, must give transformers' own greedy tokens (transformers on the CPU). The
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,6 +77,39 @@ def kernel_tests(out: Path) -> None:
     print("\n".join(tail))
     report["kernel_tests_rc"] = proc.returncode
     report["kernel_tests"] = tail[-1] if tail else proc.stderr[-300:]
+
+
+def pytest_counts(stdout: str) -> dict[str, int]:
+    """{outcome: count} from pytest's summary line ("3 failed, 1025 passed, 12 skipped in")."""
+    for line in reversed(stdout.strip().splitlines()):
+        counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b", line)
+        if counts and re.search(r" in [\d.]+s", line):
+            return {outcome.rstrip("s") if outcome.startswith("error") else outcome: int(n)
+                    for n, outcome in counts}
+    return {}
+
+
+@section("native")
+def native_tests(out: Path) -> None:
+    from pagedserve.kernels import native
+
+    report["native_variants"] = {name: native.variant_unavailable_reason(name) or "available"
+                                 for name in native.VARIANTS}
+    files = sorted(str(path.relative_to(ROOT))
+                   for path in ROOT.glob("tests/kernels/test_native_*.py"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=",
+         *files], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (out / "native_tests.log").write_text(proc.stdout + proc.stderr)
+    counts = pytest_counts(proc.stdout)
+    print("\n".join(proc.stdout.strip().splitlines()[-15:]))
+    report["native_tests_rc"] = proc.returncode
+    for outcome in ("passed", "failed", "skipped", "error"):
+        report[f"native_tests_{outcome}"] = counts.get(outcome, 0)
+    # the reasons variants were skipped for (SKIPPED [count] file:line: reason)
+    report["native_tests_skip_reasons"] = sorted({
+        line.split(": ", 1)[1] for line in proc.stdout.splitlines()
+        if line.startswith("SKIPPED") and ": " in line})
 
 
 @section("greedy")
@@ -225,6 +263,8 @@ def main() -> None:
     skip = set(args.skip.split(","))
     if "kernels" not in skip:
         kernel_tests(args.out)
+    if "native" not in skip:
+        native_tests(args.out)
     if "greedy" not in skip:
         greedy_check()
     if "attention" not in skip:
