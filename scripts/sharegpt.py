@@ -5,14 +5,20 @@ tail is cut off mid-entry, so ``json.load`` fails on it. This module extracts th
 the cache directory ($PAGEDSERVE_CACHE, default ~/.cache/pagedserve, under datasets/) and decodes
 it entry by entry with ``json.JSONDecoder.raw_decode``, stopping at the cut.
 
+Benchmarks draw their prompts with ``sample_first_turns(k, seed)``: a seeded uniform sample of k
+first turns out of the whole file (a reservoir over every entry, then shuffled), so a run's
+prompts stand for the data set rather than for the conversations at its head. The same seed and
+file give the same prompts in the same order.
+
     import sharegpt                      # from a script under scripts/
-    for prompt, reply in sharegpt.first_turns(limit=1000): ...
+    for prompt, reply in sharegpt.sample_first_turns(1000, seed=0): ...
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -104,6 +110,21 @@ def first_turns(path: str | Path | None = None, limit: int | None = None
         count += 1
         if limit is not None and count >= limit:
             return
+
+
+def sample_first_turns(k: int, seed: int, path: str | Path | None = None
+                       ) -> list[tuple[str, str]]:
+    """k first-turn pairs drawn uniformly from the whole file (all of them if it holds fewer), in
+    a seeded random order. One pass with a reservoir (Algorithm R): memory for k pairs only."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[str, str]] = []
+    for seen, pair in enumerate(first_turns(path)):
+        if seen < k:
+            reservoir.append(pair)
+        elif (slot := rng.randrange(seen + 1)) < k:
+            reservoir[slot] = pair
+    rng.shuffle(reservoir)  # the reservoir's slots keep file order where nothing replaced them
+    return reservoir
 
 
 if __name__ == "__main__":

@@ -30,3 +30,36 @@ def test_reader_handles_a_complete_array(tmp_path):
     path.write_text('[{"conversations": [{"from": "human", "value": "a"},'
                     ' {"from": "gpt", "value": "b"}]}]')
     assert list(sharegpt.first_turns(path)) == [("a", "b")]
+
+
+def write_truncated(path, n: int) -> None:
+    """n complete conversations "p<i>" -> "r<i>", then one cut off mid-entry."""
+    entries = [f'{{"id": "{i}", "conversations": [{{"from": "human", "value": "p{i} words"}}, '
+               f'{{"from": "gpt", "value": "r{i} reply words"}}]}}' for i in range(n)]
+    path.write_text("[\n" + ",\n".join(entries) + ',\n {"id": "cut", "conversations": [{"fr')
+
+
+def test_sample_draws_from_the_whole_file_not_its_head(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    write_truncated(path, 3000)
+    sample = sharegpt.sample_first_turns(50, seed=0, path=path)
+    indices = [int(p.split()[0][1:]) for p, _ in sample]
+    assert len(set(indices)) == 50
+    # The old reader kept the first max(8 N, 1000) conversations only.
+    assert sum(i >= 1000 for i in indices) > 20
+    assert all(r.startswith(f"r{i} ") for i, (_, r) in zip(indices, sample))
+    assert indices != sorted(indices)  # a random order, not the file's
+
+
+def test_sample_is_seeded(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    write_truncated(path, 500)
+    assert sharegpt.sample_first_turns(20, 1, path) == sharegpt.sample_first_turns(20, 1, path)
+    assert sharegpt.sample_first_turns(20, 1, path) != sharegpt.sample_first_turns(20, 2, path)
+
+
+def test_sample_larger_than_the_file_is_all_of_it_shuffled(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    write_truncated(path, 30)
+    sample = sharegpt.sample_first_turns(100, seed=0, path=path)
+    assert sorted(sample) == sorted(sharegpt.first_turns(path)) and len(sample) == 30
