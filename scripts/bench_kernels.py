@@ -1,4 +1,5 @@
-"""Time the CPU (torch) kernels at SmolLM2 shapes; last line is one JSON object.
+"""Time the CPU (torch) kernels at SmolLM2 shapes; last line is one JSON object, stored under
+benchmarks/results/bench_kernels/ (scripts/bench_record.py) unless --no-store.
 
     .venv/bin/python scripts/bench_kernels.py [--batch 256] [--context 512] [--repeats 10]
 
@@ -11,14 +12,17 @@ wall time on a shared box (divide by the thread count for a wall-time equivalent
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_record  # noqa: E402
 from pagedserve.kernels.cpu_decode_attention import paged_decode_attention_cpu  # noqa: E402
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native  # noqa: E402
 from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
@@ -50,12 +54,14 @@ def median_ms(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+    bench_record.add_no_store_flag(parser)
+    args = parser.parse_args(argv)
     batch, context, dtype = args.batch, args.context, torch.bfloat16
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 8
@@ -119,7 +125,9 @@ def main() -> None:
 
     for key, value in results.items():
         print(f"{key:>28}: {value:.2f}" if isinstance(value, float) else f"{key:>28}: {value}")
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}))
+    results = {k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}
+    bench_record.finish("bench_kernels", results, args.no_store, argv)
+    return results
 
 
 if __name__ == "__main__":

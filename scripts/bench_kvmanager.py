@@ -1,15 +1,17 @@
 """Benchmark the KV-cache manager: per-operation cost with 2,048 live sequences, and memory
 efficiency on ShareGPT lengths against contiguous max-length preallocation.
 
-    .venv/bin/python scripts/bench_kvmanager.py [--num-seqs 2048] [--samples 4000]
+    .venv/bin/python scripts/bench_kvmanager.py [--num-seqs 2048] [--samples 4000] [--seed 0]
 
-Prints its numbers; the last line is one JSON object.
+The ShareGPT lengths are a seeded uniform sample of --samples first turns out of the whole file
+(sharegpt.sample_first_turns), in that sample's order. Prints its numbers; the last line is one
+JSON object, stored under benchmarks/results/bench_kvmanager/ (scripts/bench_record.py) unless
+--no-store.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -18,17 +20,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_record  # noqa: E402
 import sharegpt  # noqa: E402
 from pagedserve.kvmanager import KVCacheManager  # noqa: E402
 
 
-def sharegpt_lengths(num_samples: int, max_model_len: int) -> list[tuple[int, int]]:
+def sharegpt_lengths(num_samples: int, max_model_len: int, seed: int,
+                     dataset: str | None = None) -> list[tuple[int, int]]:
     """(prompt tokens, reply tokens) of first turns, tokenized with the default model."""
     from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
-    pairs = list(sharegpt.first_turns(limit=num_samples))
+    pairs = sharegpt.sample_first_turns(num_samples, seed, dataset)
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     replies = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     lengths = [(len(p), len(r)) for p, r in zip(prompts, replies)]
@@ -105,7 +109,7 @@ def bench_memory(lengths, budget_tokens: int, block_size: int, max_model_len: in
             "contiguous_waste_frac": 1 - baseline_real / (baseline * max_model_len)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=4000)
@@ -113,9 +117,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--budget-tokens", type=int, default=262_144)
     parser.add_argument("--decode-steps", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--seed", type=int, default=0, help="of the ShareGPT sample")
+    parser.add_argument("--dataset", default=None, help="ShareGPT JSON (default: fetched)")
+    bench_record.add_no_store_flag(parser)
+    args = parser.parse_args(argv)
 
-    lengths = sharegpt_lengths(args.samples, args.max_model_len)
+    lengths = sharegpt_lengths(args.samples, args.max_model_len, args.seed, args.dataset)
     print(f"ShareGPT: {len(lengths)} first-turn pairs within {args.max_model_len} tokens; mean "
           f"prompt {sum(p for p, _ in lengths) / len(lengths):.0f}, mean reply "
           f"{sum(r for _, r in lengths) / len(lengths):.0f} tokens")
@@ -131,9 +138,12 @@ def main() -> None:
           f"(waste {mem['contiguous_waste_frac']:.2%}): "
           f"{mem['concurrency_ratio_vs_contiguous']:.2f}x")
     result = {**ops, **mem, "num_live_seqs": args.num_seqs, "block_size": args.block_size,
-              "max_model_len": args.max_model_len, "num_samples": len(lengths)}
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                      for k, v in result.items()}))
+              "max_model_len": args.max_model_len, "num_samples": len(lengths),
+              "sharegpt_sample": f"seeded uniform sample of {args.samples} first turns of the "
+                                 f"whole file (seed {args.seed})"}
+    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+    bench_record.finish("bench_kvmanager", result, args.no_store, argv)
+    return result
 
 
 if __name__ == "__main__":

@@ -70,3 +70,15 @@ def store(script: str, result: dict, argv: list[str] | None = None) -> Path:
     path = folder / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{record['commit']}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def add_no_store_flag(parser) -> None:
+    parser.add_argument("--no-store", action="store_true",
+                        help="do not write the result under benchmarks/results/")
+
+
+def finish(script: str, result: dict, no_store: bool, argv: list[str] | None = None) -> None:
+    """Store `result` unless `no_store`, then print it as the last line (one JSON object)."""
+    if not no_store:
+        print(f"stored in {store(script, result, argv)}", flush=True)
+    print(json.dumps(result), flush=True)

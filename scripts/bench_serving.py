@@ -12,7 +12,12 @@ request (E2E), and count output tokens from the final `usage` chunk.
 
 Prints a table per rate; writes all results as JSON and, with several rates, a PNG of latency
 and throughput against request rate. The last line is one JSON object: the last rate's
-output_tok_s, ttft_ms_p50, ttft_ms_p99, tpot_ms_p50, ... plus `sweep` with every rate.
+output_tok_s, ttft_ms_p50, ttft_ms_p99, tpot_ms_p50, ... plus `sweep` with every rate and
+`config` (the arguments); it is stored under benchmarks/results/bench_serving/
+(scripts/bench_record.py) unless --no-store.
+
+The prompts are a seeded uniform sample of the whole ShareGPT file (--seed; see
+sample_sharegpt), so every server measured with the same arguments gets the same requests.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_record  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -76,12 +84,12 @@ def sample_sharegpt(num_prompts: int, tokenizer, *, max_output_tokens: int,
                     max_prompt_tokens: int, seed: int, dataset: str | None = None
                     ) -> list[BenchRequest]:
     """First turns of ShareGPT conversations: the human turn is the prompt, the length of the
-    reply (capped at max_output_tokens) the number of tokens to generate."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    reply (capped at max_output_tokens) the number of tokens to generate. Candidates are a
+    seeded uniform sample of max(8 N, 1000) first turns of the whole file
+    (sharegpt.sample_first_turns), taken in that sample's order until N pass the filters."""
     import sharegpt
 
-    pairs = list(sharegpt.first_turns(dataset, limit=max(num_prompts * 8, 1000)))
-    random.Random(seed).shuffle(pairs)
+    pairs = sharegpt.sample_first_turns(max(num_prompts * 8, 1000), seed, dataset)
     requests = []
     for prompt, reply in pairs:
         prompt_len = count_tokens(tokenizer, prompt)
@@ -299,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="poll /health for up to this many seconds before starting")
     ap.add_argument("--result-file", default="bench_serving.json")
     ap.add_argument("--plot", default="bench_serving.png", help="written when several rates run")
+    bench_record.add_no_store_flag(ap)
     return ap
 
 
@@ -344,7 +353,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     return summaries
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     summaries = asyncio.run(main_async(args))
     config = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
@@ -356,7 +365,9 @@ def main(argv: list[str] | None = None) -> None:
         plot(summaries, args.plot)
         print(f"plot: {args.plot}")
     print(f"results: {args.result_file}")
-    print(json.dumps({**summaries[-1], "sweep": summaries}))
+    result = {**summaries[-1], "sweep": summaries, "config": config}
+    bench_record.finish("bench_serving", result, args.no_store, argv)
+    return result
 
 
 if __name__ == "__main__":
