@@ -10,12 +10,19 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedserve.pipeline.ingress.chat import create_chat_completion
 from pagedserve.pipeline.ingress.completions import create_completion
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError, error_body
+from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSES,
+                                                 METRICS_RESPONSES, ChatCompletionChunk,
+                                                 ChatCompletionResponse, CompletionChunk,
+                                                 CompletionResponse, ModelList, VersionInfo,
+                                                 generation_responses, install_openapi,
+                                                 request_body)
+from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -33,9 +40,12 @@ def _version() -> str:
 def build_app(ctx: IngressContext,
               lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  description="An OpenAI-compatible LLM server (vLLM's sampling extras).",
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     _install_error_handlers(app)
+    install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None)
+    auth_errors = API_KEY_ERRORS if ctx.api_key is not None else {}
 
     async def check_api_key(request: Request) -> None:
         if ctx.api_key is None:
@@ -48,16 +58,23 @@ def build_app(ctx: IngressContext,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(CompletionRequest),
+             responses={**generation_responses(CompletionResponse, CompletionChunk),
+                        **auth_errors})
     async def completions(request: Request) -> Response:
+        """Text completion of a prompt, a batch of prompts, or token ids."""
         return await create_completion(ctx, request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+             responses={**generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+                        **auth_errors})
     async def chat_completions(request: Request) -> Response:
+        """Chat completion: the messages through the model's chat template."""
         return await create_chat_completion(ctx, request)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=None, responses={200: {"model": ModelList}, **auth_errors})
     async def models() -> dict:
+        """The served model."""
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
@@ -66,23 +83,32 @@ def build_app(ctx: IngressContext,
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
+        """200 while the engine answers, else 503."""
         if await ctx.engine.health():
             return Response(status_code=200)
         return JSONResponse(error_body("the engine is not healthy", type="server_error",
                                        code="engine_unavailable"), status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses={200: {"model": VersionInfo}})
     async def version() -> dict:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
+        """Prometheus metrics: the engine's gauges and counters, the ingress's latencies."""
         await ctx.refresh_stats()
         return Response(ctx.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def openapi_limits(ctx: IngressContext) -> dict[str, tuple[str, int]]:
+    """The served model's limits, as the schema keyword that documents each."""
+    return {"token_id": ("maximum", ctx.vocab_size - 1), "n": ("maximum", ctx.max_n),
+            "max_tokens": ("maximum", ctx.max_model_len - 1),
+            "prompts": ("maxItems", ctx.admission.capacity)}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

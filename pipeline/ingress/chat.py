@@ -19,19 +19,11 @@ from pagedserve.pipeline.ingress.validation import (check_model_name, parse_requ
                                          resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
-# The template owns these arguments; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_ARGS = {"conversation", "tokenize", "add_generation_prompt",
-                           "continue_final_message", "return_dict", "return_tensors"}
-
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template; use /v1/completions", "messages")
-    extra = dict(req.chat_template_kwargs or {})
-    clash = _RESERVED_TEMPLATE_ARGS & extra.keys()
-    if clash:
-        raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
-                      "chat_template_kwargs")
+    extra = dict(req.chat_template_kwargs or {})  # its keys were checked by req.check()
     try:
         text = tokenizer.apply_chat_template(
             [m.to_template() for m in req.messages], tokenize=False,

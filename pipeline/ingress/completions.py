@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pagedserve.pipeline.ingress.logprobs import CompletionLogprobs
 from pagedserve.pipeline.ingress.protocol import CompletionRequest
@@ -26,6 +27,10 @@ async def create_completion(ctx: IngressContext, request: Request) -> Response:
     check_model_name(req.model, ctx.served_model_names)
     req.check()
     prompts = req.prompts()
+    if len(prompts) > ctx.admission.capacity:  # would be a 503 forever: never admissible
+        raise invalid(f"prompt is a batch of {len(prompts)} prompts, but the engine holds at most "
+                      f"{ctx.admission.capacity} requests (--max-num-seqs + "
+                      "--max-queued-requests)", "prompt")
     requested = req.max_tokens
     params = validated_params(
         lambda: req.sampling_params(max_tokens=requested if requested is not None

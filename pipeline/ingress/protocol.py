@@ -4,17 +4,39 @@ Models are strict (no "1" -> 1 coercion, no bool for a number) and ignore unknow
 vLLM does. Every optional field accepts an explicit null, so `"logprobs": null` or
 `"best_of": 1` from a client written for OpenAI is accepted. Range checks live in
 `SamplingParams.validate` and `validation.py`, which need the model's limits.
+
+The OpenAPI schema documents those ranges (`_doc`) without checking them, so that a bad value
+still meets the one gate and its OpenAI-shaped 400 naming the field. A bound that depends on
+the served model is a marker (`LIMIT_KEY`) that `openapi.py` fills in.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagedserve.pipeline.ingress.errors import invalid
-from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
+                                                 MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
+                                                 SamplingParams)
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+LIMIT_KEY = "x-pagedserve-limit"  # replaced by "maximum": the served model's limit of that name
+
+
+def _doc(tp: Any, **schema: Any) -> Any:
+    """`tp`, validated as `tp`, shown in the OpenAPI schema as `schema` (its documented range)."""
+    return Annotated[tp, WithJsonSchema(schema)]
+
+
+_INT64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+_TOKEN_ID = {"type": "integer", "minimum": 0, LIMIT_KEY: "token_id"}
+_TEXT = {"type": "string", "minLength": 1}
+
+Prompt = (_doc(str, **_TEXT)
+          | _doc(list[str], type="array", minItems=1, items=_TEXT, **{LIMIT_KEY: "prompts"})
+          | _doc(list[int], type="array", minItems=1, items=_TOKEN_ID)
+          | _doc(list[list[int]], type="array", minItems=1, **{LIMIT_KEY: "prompts"},
+                 items={"type": "array", "minItems": 1, "items": _TOKEN_ID}))
 
 
 class _Body(BaseModel):
@@ -29,28 +51,36 @@ class _SamplingFields(_Body):
     """Fields both endpoints share; `None` means "the default"."""
 
     model: str | None = None
-    n: int | None = None
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "n"}) | None = None
+    best_of: int | None = Field(None, description="must equal n when given")
+    temperature: _doc(float, type="number", minimum=0, maximum=2) | None = None
+    top_p: _doc(float, type="number", exclusiveMinimum=0, maximum=1) | None = None
+    top_k: _doc(int, type="integer", minimum=-1, maximum=INT64_MAX, **{"not": {"const": 0}}
+                ) | None = Field(None, description="-1 disables")
+    min_p: _doc(float, type="number", minimum=0, maximum=1) | None = None
+    presence_penalty: _doc(float, type="number", minimum=-2, maximum=2) | None = None
+    frequency_penalty: _doc(float, type="number", minimum=-2, maximum=2) | None = None
+    repetition_penalty: _doc(float, type="number", exclusiveMinimum=0, maximum=2) | None = None
+    seed: _doc(int, **_INT64) | None = None
+    max_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}) | None = Field(
+        None, description="prompt tokens + max_tokens must fit the model's context")
+    min_tokens: _doc(int, type="integer", minimum=0) | None = None
+    stop: _doc(str, **_TEXT) | list[_doc(str, **_TEXT)] | None = None
+    stop_token_ids: list[_doc(int, **_TOKEN_ID)] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: _doc(dict[str, float], type="object", maxProperties=MAX_LOGIT_BIAS_ENTRIES,
+                     propertyNames={"pattern": "^[0-9]+$"},
+                     additionalProperties={"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                           "maximum": MAX_LOGIT_BIAS},
+                     description="token id (inside the vocabulary) -> bias added to its logit"
+                     ) | None = None
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only when stream is true")
     user: str | None = None
-    priority: int | None = None
+    priority: _doc(int, **_INT64) | None = Field(None, description="lower runs first (priority "
+                                                 "scheduling)")
     cache_salt: str | None = None
 
     @property
@@ -67,14 +97,31 @@ class _SamplingFields(_Body):
                           "best_of")
         if self.top_k == 0:  # SamplingParams reads 0 as "disabled"; the API asks for -1
             raise invalid("top_k must be -1 (disabled) or at least 1, got 0", "top_k")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
+        for name in ("top_k", "priority"):  # unbounded above otherwise; they go on the wire
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise invalid(f"{name} must fit in a signed 64-bit integer, got {value}", name)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field (see validation.validated_params)."""
         given = {name: getattr(self, name) for name in _PASSTHROUGH if getattr(self, name) is not None}
         if isinstance(self.stop, str):
             given["stop"] = [self.stop]
+        if self.logit_bias:
+            given["logit_bias"] = token_bias(self.logit_bias)
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+def token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as JSON object keys (strings); the range
+    of the ids and the values is SamplingParams.validate's to check."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise ValueError(f"logit_bias key {key[:40]!r} is not a token id (a non-negative "
+                             "integer)")
+        out[int(key)] = value
+    return out
 
 
 # Fields whose name and meaning are the same in the request and in SamplingParams.
@@ -86,9 +133,10 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    echo: bool | None = False
-    logprobs: int | None = None  # top-N besides the chosen token; null: none
-    suffix: str | None = None
+    echo: bool | None = Field(False, description="not together with logprobs")
+    logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
+        None, description="top-N besides the chosen token; null: none")
+    suffix: _doc(str, type="string", maxLength=0) | None = Field(None, description="not supported")
 
     def check(self) -> None:
         self.check_common()
@@ -133,17 +181,34 @@ class ChatMessage(_Body):
         return msg
 
 
+# The chat template owns these arguments; chat_template_kwargs may not set them (a client's own
+# "chat_template" would be a template of its choosing run on the server).
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "return_dict", "return_tensors", "chat_template", "tools", "documents", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}
+                                ) | None = Field(None, description="takes precedence over "
+                                                 "max_tokens")
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool | None = True
+    top_logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
+        None, description="needs logprobs to be true")
+    tools: _doc(list[dict[str, Any]], type="array", maxItems=0) | None = Field(
+        None, description="not supported")
+    tool_choice: _doc(str | dict[str, Any], type="string", enum=["none", "auto"]) | None = None
+    response_format: _doc(dict[str, Any], anyOf=[
+        {"type": "object", "maxProperties": 0},
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}]
+    ) | None = Field(None, description="only {\"type\": \"text\"}")
+    add_generation_prompt: bool | None = Field(True, description="not together with "
+                                                                 "continue_final_message")
     continue_final_message: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: _doc(dict[str, Any], type="object", propertyNames={
+        "not": {"enum": sorted(RESERVED_TEMPLATE_ARGS)}}) | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -158,6 +223,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("add_generation_prompt and continue_final_message cannot both be true",
                           "continue_final_message")
+        clash = RESERVED_TEMPLATE_ARGS & (self.chat_template_kwargs or {}).keys()
+        if clash:
+            raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
+                          "chat_template_kwargs")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from pagedserve.pipeline.ingress.errors import APIError, invalid
+from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -46,25 +47,7 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the body") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {_json_type(body)}")
-    return body
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else type(value).__name__
+    return decode_json_object(b"".join(chunks))
 
 
 def parse_request(model: type[M], body: dict[str, Any]) -> M:

@@ -223,6 +223,18 @@ def test_priority_and_cache_salt_reach_the_engine():
     run_with_client(t)
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}),
+                                       ("/v1/chat/completions", {"messages": MSGS})])
+def test_logit_bias_reaches_the_engine_with_integer_token_ids(path, body):
+    """OpenAI sends token ids as JSON object keys (strings); the engine gets ints."""
+    async def t(client, ctx, engine):
+        r = await client.post(path, json={**body, "max_tokens": 1,
+                                          "logit_bias": {"5": 10, "0258": -100.0, "7": 0.5}})
+        assert r.status_code == 200, r.text
+        assert engine.submitted[0].params.logit_bias == {5: 10.0, 258: -100.0, 7: 0.5}
+    run_with_client(t)
+
+
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic sekrit", "sekrit"])
 def test_api_key_required_on_v1(header):
     async def t(client, ctx, engine):

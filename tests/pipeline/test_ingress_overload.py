@@ -91,9 +91,17 @@ def test_local_in_flight_limit_refuses_without_tokenizing():
         assert ctx.admission.in_flight == 0
         r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
         assert r.status_code == 200
-        # one HTTP request with several prompts needs one slot per prompt
-        assert_overloaded(await client.post("/v1/completions",
-                                            json={"prompt": ["a", "b", "c", "d"]}))
+        # one HTTP request with several prompts needs one slot per prompt: refused while
+        # others hold slots; more prompts than the engine can ever hold is a 400 (a retry after
+        # a 503 would fail forever)
+        hold = asyncio.ensure_future(client.post("/v1/completions", json={
+            "prompt": "p", "max_tokens": 40, "ignore_eos": True}))
+        while not engine.running:
+            await asyncio.sleep(0.01)
+        assert_overloaded(await client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))
+        assert (await hold).status_code == 200
+        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     run(t, max_queued_requests=2, max_num_seqs=1, step_delay=0.01)
 
 
