@@ -1,7 +1,8 @@
 """Offline throughput: N ShareGPT requests through our engine vs. transformers static batching.
 
-Requests are the first turns of ShareGPT conversations (sampled with --seed), kept when the
-prompt has 4..1024 tokens, the reply at least 4, and prompt + reply <= 2048 tokens in the
+Requests are first turns of ShareGPT conversations, drawn with --seed as a uniform sample of
+the whole file (sharegpt.sample_first_turns: max(8 N, 1000) candidates, taken in the sample's
+order until N pass the filters), kept when the prompt has 4..1024 tokens, the reply at least 4, and prompt + reply <= 2048 tokens in the
 model's tokenizer. The prompt is the human turn wrapped in the model's chat template (with the
 generation prompt; `--prompt-format raw` sends the bare text instead); the output length is the
 reference reply's token count, generated greedily with `ignore_eos` so every run does the same
@@ -9,26 +10,30 @@ work.
 
 1. Our engine: all requests handed to `pipeline.LLM.generate` at once (after one warm-up
    request); the clock runs from submission to the last output.
-2. transformers static batching, same dtype and token ids: batches of --hf-batch-size (16) in
-   arrival order, left padded, each batch generating to its longest output
-   (`min_new_tokens = max_new_tokens = longest`, greedy). Only each request's own output length
-   counts as useful tokens. `--hf-num-prompts K` measures the first K requests only (tok/s is a
-   rate; the report says so); `--skip-hf` skips it.
-3. The bf16 matmul roofline exactly as `scripts/bench_step.py` computes it (its
-   `matmul_rates`: the model's linear shapes at 256 rows, the faster of F.linear and the
-   engine's own linear, tok/s = FLOP/s / (2 x params)); F.linear's alone is reported beside it.
+2. transformers static batching, same dtype and token ids, swept over --hf-batch-sizes
+   (8,16,32,64): for each size, batches in arrival order, left padded, each batch generating to
+   its longest output (`min_new_tokens = max_new_tokens = longest`, greedy). Only each request's
+   own output length counts as useful tokens. The best size's rate is the baseline; every size's
+   figures are in the JSON (`hf_sweep`). It runs on all N requests, or with `--hf-num-prompts K`
+   on K of them drawn at random with --seed (kept in arrival order; tok/s is a rate, and
+   `hf_sample` says which). The sweep costs the sum of its sizes' runs; `--skip-hf` skips it.
+3. The roofline exactly as `scripts/bench_step.py` computes it (its `matmul_rates` and
+   `roofline`: the model's linear shapes at 256 rows in the arithmetic the engine runs: --dtype's
+   product, the faster of F.linear and the engine's linear, or with `--quantization int8` the
+   int8 linear's; tok/s = FLOP/s / (2 x params)); `roofline` in the JSON names it. F.linear's
+   rate in --dtype alone is reported beside it.
 
     .venv/bin/python scripts/bench_throughput.py                        # N=200, bf16
     .venv/bin/python scripts/bench_throughput.py --num-prompts 32 --hf-num-prompts 16
 
-The last line is one JSON object (output_tok_s, hf_static_output_tok_s, ratio_vs_hf,
-roofline_tok_s, frac_of_roofline, num_prompts, ...).
+The last line is one JSON object (output_tok_s, hf_static_output_tok_s, hf_best_batch_size,
+hf_sweep, ratio_vs_hf, roofline, roofline_tok_s, frac_of_roofline, num_prompts, ...), stored
+under benchmarks/results/bench_throughput/ (scripts/bench_record.py) unless --no-store.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import random
 import sys
@@ -41,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+
+import bench_record  # noqa: E402
 
 from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
 
@@ -60,11 +67,12 @@ class BenchRequest:
 def sample_requests(tokenizer, num_prompts: int, *, seed: int, prompt_format: str,
                     max_prompt_len: int, max_total_len: int,
                     dataset: str | None = None) -> list[BenchRequest]:
-    """ShareGPT first turns in a seeded random order, filtered by the length limits."""
+    """ShareGPT first turns, filtered by the length limits: candidates are a seeded uniform
+    sample of max(8 N, 1000) first turns of the whole file (sharegpt.sample_first_turns), taken
+    in that sample's order until N pass."""
     import sharegpt
 
-    pairs = list(sharegpt.first_turns(dataset, limit=max(num_prompts * 8, 1000)))
-    random.Random(seed).shuffle(pairs)
+    pairs = sharegpt.sample_first_turns(max(num_prompts * 8, 1000), seed, dataset)
     requests: list[BenchRequest] = []
     for prompt, reply in pairs:
         if prompt_format == "chat":
@@ -87,15 +95,15 @@ def sample_requests(tokenizer, num_prompts: int, *, seed: int, prompt_format: st
 
 # ------------------------------------------------------------------------------------ roofline
 
-def roofline_tok_s(config, dtype: torch.dtype, device: str, tokens: int = 256
-                   ) -> tuple[float, float, float]:
-    """(tok/s, matmul FLOP/s, F.linear's FLOP/s): bench_step's matmul roofline at `tokens` rows
-    (the faster of F.linear and the engine's own linear), and F.linear's alone."""
+def roofline_tok_s(config, dtype: torch.dtype, device: str, tokens: int = 256,
+                   quantization: str = "none") -> tuple[float, float, float, str]:
+    """(tok/s, its FLOP/s, F.linear's FLOP/s in `dtype`, what the roofline is): bench_step's
+    roofline of the arithmetic the engine runs, at `tokens` rows."""
     import bench_step
 
-    torch_flops, engine_flops, params = bench_step.matmul_rates(config, tokens, dtype, device)
-    flops = max(torch_flops, engine_flops)
-    return flops / (2 * params), flops, torch_flops
+    rates = bench_step.matmul_rates(config, tokens, dtype, device, quantization)
+    flops, name = bench_step.roofline(rates, dtype, tokens, quantization)
+    return flops / (2 * rates["params"]), flops, rates["torch"], name
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -156,25 +164,41 @@ def _rates(requests: list[BenchRequest], elapsed: float) -> dict:
 
 # ------------------------------------------------------------------------------------ transformers
 
-def run_hf_static(requests: list[BenchRequest], model_dir: Path, dtype: torch.dtype, device: str,
-                  batch_size: int, pad_id: int) -> dict:
-    """Static batches in arrival order, each generating to its longest output."""
-    from transformers import AutoModelForCausalLM
+def hf_sample(requests: list[BenchRequest], k: int | None, seed: int
+              ) -> tuple[list[BenchRequest], str]:
+    """The requests transformers runs, and how they were chosen: all of them, or k drawn at
+    random with `seed` (not the first k: those would be a biased slice of the lengths), kept in
+    arrival order."""
+    if not k or k >= len(requests):
+        return requests, f"all {len(requests)} requests"
+    chosen = sorted(random.Random(seed).sample(range(len(requests)), k))
+    return ([requests[i] for i in chosen],
+            f"a random sample of {k} of the {len(requests)} requests (seed {seed}); its rate "
+            f"stands for all")
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+def sweep_batch_sizes(run_static, batch_sizes: list[int]) -> tuple[dict, list[dict]]:
+    """Run static batching at each size (`run_static(batch_size) -> rates`); the best size's rates
+    (highest useful output tok/s) and every size's, in the order run."""
+    sweep = [{"batch_size": size, **run_static(size)} for size in batch_sizes]
+    return max(sweep, key=lambda rates: rates["output_tok_s"]), sweep
+
+
+def run_hf_static(hf, requests: list[BenchRequest], device: str, batch_size: int,
+                  pad_id: int) -> dict:
+    """Static batches in arrival order, each generating to its longest output."""
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
     padded_tokens = 0
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _generate_batch(hf, batches[0][:1], 2, pad_id, device)  # warm-up
         start = time.perf_counter()
         for n, batch in enumerate(batches):
             longest = max(r.output_len for r in batch)
             t0 = time.perf_counter()
             _generate_batch(hf, batch, longest, pad_id, device)
             padded_tokens += longest * len(batch)
-            print(f"  hf batch {n + 1}/{len(batches)}: {len(batch)} requests to {longest} tokens "
-                  f"in {time.perf_counter() - t0:.1f}s", flush=True)
+            print(f"  hf batch size {batch_size}, batch {n + 1}/{len(batches)}: {len(batch)} "
+                  f"requests to {longest} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
         elapsed = time.perf_counter() - start
     rates = _rates(requests, elapsed)
     rates["padded_output_tokens"] = padded_tokens
@@ -204,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--hf-num-prompts", type=int, default=None,
-                   help="measure transformers on the first K requests only (default: all)")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+                   help="measure transformers on K of the requests drawn at random with --seed "
+                        "(default: all)")
+    p.add_argument("--hf-batch-sizes", default="8,16,32,64",
+                   help="transformers' static batch sizes to sweep; the best one is reported")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--prompt-format", choices=["chat", "raw"], default="chat")
     p.add_argument("--max-prompt-len", type=int, default=1024)
@@ -216,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="the engine's --quantization (int8: CPU, --dtype float32); transformers "
-                        "and the roofline stay at --dtype")
+                        "stays at --dtype, the roofline becomes the int8 linear's")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default=None, help="per worker rank, e.g. 2GiB")
@@ -226,8 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run the engine's cores in this process (EngineCore, TP=1) instead of "
                         "the process group")
-    p.add_argument("--no-store", action="store_true",
-                   help="do not write the result under benchmarks/results/")
+    bench_record.add_no_store_flag(p)
     p.add_argument("--roofline-tokens", type=int, default=256,
                    help="rows of the roofline matmuls (bench_step uses its largest batch, 256)")
     return p
@@ -252,12 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"mean {sum(out_lens) / len(requests):.0f} max {max(out_lens)}; {args.dtype} on "
           f"{device}, {os.cpu_count()} cpus, load {_loadavg()}", flush=True)
 
-    roofline, flops, torch_flops = roofline_tok_s(load_config(model_dir), dtype, device,
-                                                  args.roofline_tokens)
+    roofline, flops, torch_flops, roofline_name = roofline_tok_s(
+        load_config(model_dir), dtype, device, args.roofline_tokens, args.quantization)
     torch_roofline = roofline * torch_flops / flops
-    print(f"roofline ({args.dtype} matmuls at {args.roofline_tokens} rows, bench_step's method): "
-          f"{flops / 1e9:.0f} GFLOP/s -> {roofline:.0f} tok/s (F.linear alone: "
-          f"{torch_flops / 1e9:.0f} GFLOP/s -> {torch_roofline:.0f} tok/s)", flush=True)
+    print(f"roofline ({roofline_name}, bench_step's method): {flops / 1e9:.0f} GFLOP/s -> "
+          f"{roofline:.0f} tok/s (F.linear in {args.dtype} alone: {torch_flops / 1e9:.0f} GFLOP/s "
+          f"-> {torch_roofline:.0f} tok/s)", flush=True)
 
     engine_kwargs = {"dtype": args.dtype, "device": device, "seed": args.seed,
                      "quantization": args.quantization,
@@ -281,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
               "elapsed_s": round(ours["elapsed_s"], 2), "requests_s": round(ours["requests_s"], 3),
               "output_tok_s": round(ours["output_tok_s"], 1),
               "total_tok_s": round(ours["total_tok_s"], 1),
-              "roofline_tok_s": round(roofline, 1),
+              "roofline": roofline_name, "roofline_tok_s": round(roofline, 1),
               "frac_of_roofline": round(ours["output_tok_s"] / roofline, 3),
               "torch_roofline_tok_s": round(torch_roofline, 1),
               "frac_of_torch_roofline": round(ours["output_tok_s"] / torch_roofline, 3),
@@ -294,32 +319,43 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"targets (issue 6, meant for N=200): >= 10x transformers static: "
           f"{_verdict(report['ratio_vs_hf'], 10)}; >= 40% of roofline: "
           f"{_verdict(report['frac_of_roofline'], 0.4)}", flush=True)
-    if not args.no_store:
-        import bench_record
-        print(f"stored in {bench_record.store('bench_throughput', report, argv)}", flush=True)
-    print(json.dumps(report), flush=True)
+    bench_record.finish("bench_throughput", report, args.no_store, argv)
     return report
 
 
 def compare_with_hf(requests: list[BenchRequest], args: argparse.Namespace, model_dir: Path,
                     tokenizer, dtype: torch.dtype, device: str, our_output_tok_s: float) -> dict:
-    """transformers static batching on all requests or the first --hf-num-prompts."""
-    subset = requests[:args.hf_num_prompts] if args.hf_num_prompts else requests
-    what = ("all requests" if len(subset) == len(requests) else
-            f"the first {len(subset)} of {len(requests)} requests; its rate stands for all")
-    print(f"transformers static batching, batches of {args.hf_batch_size}, on {what}:", flush=True)
+    """transformers static batching swept over --hf-batch-sizes; the best size is the baseline."""
+    from transformers import AutoModelForCausalLM
+
+    subset, what = hf_sample(requests, args.hf_num_prompts, args.seed)
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    print(f"transformers static batching, batch sizes {sizes}, on {what}:", flush=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    hf = run_hf_static(subset, model_dir, dtype, device, args.hf_batch_size, pad_id)
-    ratio = our_output_tok_s / hf["output_tok_s"]
-    print(f"transformers static: {hf['requests']} requests in {hf['elapsed_s']:.1f}s: "
-          f"{hf['requests_s']:.2f} requests/s, {hf['output_tok_s']:.1f} useful output tok/s "
-          f"({hf['padded_output_tokens']} generated for {hf['output_tokens']} useful), "
-          f"{hf['total_tok_s']:.1f} total tok/s", flush=True)
-    print(f"pagedserve / transformers static: {ratio:.2f}x output tok/s", flush=True)
-    return {"hf_static_output_tok_s": round(hf["output_tok_s"], 1),
-            "hf_static_requests_s": round(hf["requests_s"], 3), "hf_num_prompts": hf["requests"],
-            "hf_elapsed_s": round(hf["elapsed_s"], 2),
-            "hf_extrapolated": hf["requests"] < len(requests), "ratio_vs_hf": round(ratio, 2)}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _generate_batch(hf, subset[:1], 2, pad_id, device)  # warm-up
+    best, sweep = sweep_batch_sizes(
+        lambda size: run_hf_static(hf, subset, device, size, pad_id), sizes)
+    for rates in sweep:
+        print(f"transformers static, batches of {rates['batch_size']}: {rates['requests']} "
+              f"requests in {rates['elapsed_s']:.1f}s, {rates['output_tok_s']:.1f} useful output "
+              f"tok/s ({rates['padded_output_tokens']} generated for {rates['output_tokens']} "
+              f"useful)", flush=True)
+    ratio = our_output_tok_s / best["output_tok_s"]
+    print(f"pagedserve / transformers static (best: batches of {best['batch_size']}): "
+          f"{ratio:.2f}x output tok/s", flush=True)
+    return {"hf_static_output_tok_s": round(best["output_tok_s"], 1),
+            "hf_static_requests_s": round(best["requests_s"], 3),
+            "hf_best_batch_size": best["batch_size"], "hf_num_prompts": best["requests"],
+            "hf_elapsed_s": round(best["elapsed_s"], 2), "hf_sample": what,
+            "hf_extrapolated": best["requests"] < len(requests), "ratio_vs_hf": round(ratio, 2),
+            "hf_sweep": [{"batch_size": r["batch_size"],
+                          "output_tok_s": round(r["output_tok_s"], 2),
+                          "requests_s": round(r["requests_s"], 3),
+                          "elapsed_s": round(r["elapsed_s"], 2),
+                          "padded_output_tokens": r["padded_output_tokens"]} for r in sweep]}
 
 
 def _verdict(value: float | None, target: float) -> str:

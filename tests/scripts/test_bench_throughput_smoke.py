@@ -18,15 +18,19 @@ KEYS = {"output_tok_s", "hf_static_output_tok_s", "ratio_vs_hf", "roofline_tok_s
 
 @pytest.mark.slow
 def test_bench_throughput_last_line_is_the_json_report(capsys):
-    report = bench.main(["--num-prompts", "4", "--hf-num-prompts", "2", "--max-prompt-len", "128",
-                         "--max-total-len", "192", "--kv-cache-memory", "128MiB",
-                         "--max-num-seqs", "8", "--roofline-tokens", "32", "--no-store"])
+    report = bench.main(["--num-prompts", "4", "--hf-num-prompts", "2", "--hf-batch-sizes", "1,2",
+                         "--max-prompt-len", "128", "--max-total-len", "192",
+                         "--kv-cache-memory", "128MiB", "--max-num-seqs", "8",
+                         "--roofline-tokens", "32", "--no-store"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     parsed = json.loads(last)
     assert KEYS <= parsed.keys()
     assert parsed == report
     assert parsed["num_prompts"] == 4 and parsed["hf_num_prompts"] == 2
     assert parsed["hf_extrapolated"] is True
+    assert [r["batch_size"] for r in parsed["hf_sweep"]] == [1, 2]
+    assert parsed["hf_best_batch_size"] in (1, 2)
+    assert parsed["roofline"].startswith("bfloat16 matmuls")
     assert parsed["output_tok_s"] > 0 and parsed["hf_static_output_tok_s"] > 0
     assert parsed["ratio_vs_hf"] == pytest.approx(
         parsed["output_tok_s"] / parsed["hf_static_output_tok_s"], rel=0.02)
