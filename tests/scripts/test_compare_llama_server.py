@@ -1,0 +1,111 @@
+"""scripts/compare_llama_server.py's logic without building llama.cpp: the arguments both
+servers get, the summary and ratios, the sdist check, the build cache, start/stop of a server."""
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import compare_llama_server as compare  # noqa: E402
+
+
+def args(*argv):
+    return compare.build_parser().parse_args(list(argv))
+
+
+def test_default_and_single_stream_bench_arguments():
+    bench = compare.bench_arguments(args())
+    assert bench[:6] == ["--num-prompts", "64", "--max-concurrency", "64",
+                         "--max-output-tokens", "256"]
+    assert bench[bench.index("--request-rate") + 1] == "inf"
+    single = compare.bench_arguments(args("--single-stream"))
+    assert single[:4] == ["--num-prompts", "6", "--max-concurrency", "1"]
+
+
+def test_server_commands(tmp_path):
+    llama, ours = compare.servers(args("--our-args=-q int8"), Path("/bin/llama-server"),
+                                  Path("/m.gguf"), tmp_path)
+    assert llama.cmd[:7] == ["/bin/llama-server", "-m", "/m.gguf", "-np", "64", "-c",
+                             str(64 * (1024 + 256 + 128))]
+    assert llama.cmd[7:12] == ["-t", "2", "-tb", "2", "-cb"]
+    assert ours.cmd[1:5] == ["-m", "pagedserve.pipeline.launch", "--model",
+                             "SmolLM2-135M-Instruct"]
+    assert ours.cmd[-2:] == ["-q", "int8"] and llama.port != ours.port
+    _, ours = compare.servers(args("--gguf", "/x.gguf"), Path("b"), Path("/x.gguf"), tmp_path)
+    assert ours.cmd[ours.cmd.index("--model") + 1] == "/x.gguf"
+
+
+def run(tok_s, ttft, tpot):
+    return {"output_tok_s": tok_s, "ttft_ms_p50": ttft, "ttft_ms_p99": ttft, "tpot_ms_p50": tpot,
+            "itl_ms_p50": tpot, "e2e_ms_p50": 1.0, "completed": 4, "failed": 0}
+
+
+def test_summary_medians_and_ratios():
+    summary = compare.summarize({"pagedserve": [run(300, 10, 50), run(260, 12, 60)],
+                                 "llama_server": [run(100, 40, 100), run(80, 50, 120)]})
+    assert summary["median"]["pagedserve"]["output_tok_s"] == 280
+    assert summary["ratios"]["output_tok_s"] == pytest.approx(280 / 90, abs=1e-3)
+    assert summary["ratios"]["output_tok_s_per_pair"] == [3.0, 3.25]
+    assert summary["ratios"]["ttft_ms_p50"] == pytest.approx(11 / 45, abs=1e-3)
+
+
+def test_sdist_must_vendor_llama_cpp(tmp_path):
+    with pytest.raises(SystemExit, match="vendors no llama.cpp"):
+        compare.vendored_source(tmp_path)
+    tree = tmp_path / "llama.cpp"
+    (tree / "tools" / "server").mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("")
+    assert compare.vendored_source(tmp_path) == tree
+
+
+def test_cached_binary_is_reused_on_the_cpu_it_was_built_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(compare, "cache_root", lambda: tmp_path)
+    folder = tmp_path / "llama.cpp" / "1.0"
+    folder.mkdir(parents=True)
+    assert compare.cached_server("1.0") is None
+    (folder / "llama-server").write_text("")
+    (folder / "build_info.json").write_text(json.dumps({"machine": compare.build_machine()}))
+    assert compare.cached_server("1.0") == folder / "llama-server"
+    other = {**compare.build_machine(), "cpu_flags": ["avx"]}
+    (folder / "build_info.json").write_text(json.dumps({"machine": other}))
+    assert compare.cached_server("1.0") is None
+
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, signal, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+    signal.signal(signal.SIGINT, lambda *a: sys.exit(0))
+    server.serve_forever()
+""")
+
+
+def test_server_starts_when_healthy_and_stops_on_sigint(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SERVER)
+    server = compare.Server("fake", [sys.executable, str(script), str(port)], port,
+                            tmp_path / "fake.log")
+    server.start(timeout=30)
+    pid = server.proc.pid
+    assert server.stop() == "SIGINT, exit 0"
+    with pytest.raises(ProcessLookupError):
+        import os
+        os.kill(pid, 0)
+
+
+def test_server_that_dies_while_starting_says_where_its_log_is(tmp_path):
+    server = compare.Server("broken", [sys.executable, "-c", "raise SystemExit(3)"], 1,
+                            tmp_path / "broken.log")
+    with pytest.raises(SystemExit, match="exited with 3 while starting; see .*broken.log"):
+        server.start(timeout=30)
