@@ -6,8 +6,9 @@ Kinds:  crash      SIGKILL itself
         hang       stop responding (sleep forever, sockets untouched)
         slow=<ms>  sleep that long before handling each message
 Triggers: step=<N> (scheduler and workers: the first step >= N), msg=<N> (the N-th message
-handled, any role), start (right after the role reports ready). Without a trigger, crash/raise/
-hang fire at the first message. A spec fires in the first incarnation of a role only, unless it
+handled, any role), start (right after the role reports ready), token=<id> (workers: the first
+plan that sends a sequence whose prompt holds that token id - a "poison request"). Without a
+trigger, crash/raise/hang fire at the first message. A spec fires in the first incarnation of a role only, unless it
 ends in `!` (e.g. `worker0:crash@start!`), which fires after every restart: a crash loop.
 
 Example: PAGEDSERVE_FAULT="worker1:crash@step=40;detokenizer:slow=50"
@@ -31,7 +32,7 @@ class FaultSpec:
     role: str
     kind: str            # crash | raise | hang | slow
     slow_ms: float = 0.0
-    trigger: str = ""    # "" | "step" | "msg" | "start"
+    trigger: str = ""    # "" | "step" | "msg" | "start" | "token"
     at: int = 0
     every_incarnation: bool = False
 
@@ -55,9 +56,9 @@ def parse(text: str) -> list[FaultSpec]:
         trig, at = "", 0
         if trigger:
             trig, _, num = trigger.partition("=")
-            if trig not in ("step", "msg", "start"):
+            if trig not in ("step", "msg", "start", "token"):
                 raise ValueError(f"{ENV}: unknown trigger {trigger!r} in {part!r} "
-                                 "(step=<N>, msg=<N>, start)")
+                                 "(step=<N>, msg=<N>, start, token=<id>)")
             if trig != "start":
                 at = int(num)
         specs.append(FaultSpec(role, kind, slow_ms, trig, at, every))
@@ -82,8 +83,14 @@ class FaultInjector:
             if s.trigger == "start":
                 self._fire(s, "start")
 
-    def on_message(self, step: int | None = None) -> None:
-        """Before handling a message (a plan for workers, a step for the scheduler)."""
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether a caller should pass the prompt tokens of what it handles (token=<id>)."""
+        return any(s.trigger == "token" for s in self.specs)
+
+    def on_message(self, step: int | None = None, token_ids=()) -> None:
+        """Before handling a message (a plan for workers, a step for the scheduler);
+        `token_ids`: the prompt tokens the message sends, when `wants_tokens`."""
         if not self.specs:
             return
         self.messages += 1
@@ -92,7 +99,8 @@ class FaultInjector:
                 time.sleep(s.slow_ms / 1000.0)
             elif i not in self._fired and (
                     s.trigger == "" or (s.trigger == "msg" and self.messages >= s.at)
-                    or (s.trigger == "step" and step is not None and step >= s.at)):
+                    or (s.trigger == "step" and step is not None and step >= s.at)
+                    or (s.trigger == "token" and s.at in token_ids)):
                 self._fired.add(i)
                 self._fire(s, f"message {self.messages}" if step is None else f"step {step}")
 

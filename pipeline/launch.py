@@ -33,7 +33,7 @@ from pagedserve.pipeline.config import EngineConfig, ModelInfo, build_arg_parser
 
 log = logging.getLogger("pagedserve.launcher")
 
-HEARTBEAT_ROLES = ("scheduler", "detokenizer")
+HEARTBEAT_ROLES = ("scheduler", "detokenizer", "ingress")
 ROLE_MODULES = {"scheduler": "pagedserve.pipeline.scheduler.process",
                 "worker": "pagedserve.workers.process",
                 "detokenizer": "pagedserve.pipeline.detokenizer.process",
@@ -78,6 +78,21 @@ def describe_exit(code: int) -> str:
 
 class _Fatal(Exception):
     pass
+
+
+# Signals a process dies of by its own fault; others (SIGKILL, SIGTERM, ...) come from outside.
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
+
+
+def died_of_itself(child: "Child") -> bool:
+    """The child raised (it said so: ProcessFatal), exited with an error code, or crashed; not
+    killed from outside (SIGKILL, SIGTERM) nor stopped by us."""
+    code = child.proc.returncode if child.proc is not None else None
+    if child.last_cause and not child.last_cause.startswith("hung"):
+        return True
+    if code is None:
+        return False
+    return code > 0 or -code in _CRASH_SIGNALS
 
 
 @dataclass
@@ -238,7 +253,8 @@ class Supervisor:
                     cause = child.last_cause or describe_exit(child.proc.returncode)
                     log.error("%s pid=%d %s", child.name, child.proc.pid, cause)
                     if child.role == "worker":
-                        self._restart_workers(f"{child.name} {cause}")
+                        self._restart_workers(f"{child.name} {cause}",
+                                              attributable=died_of_itself(child))
                     else:
                         self._restart(child, cause)
                 elif (child.role in HEARTBEAT_ROLES and child.ready
@@ -267,9 +283,9 @@ class Supervisor:
             self._tell_scheduler(messages.RoleDown(child.role, cause))
         self.start(child)
 
-    def _restart_workers(self, cause: str) -> None:
+    def _restart_workers(self, cause: str, attributable: bool = False) -> None:
         self._count_restart("worker", cause)
-        self._tell_scheduler(messages.RoleDown("worker", cause))
+        self._tell_scheduler(messages.RoleDown("worker", cause, attributable))
         workers = [c for c in self.children if c.role == "worker"]
         for c in workers:  # surviving ranks are stuck in a collective with the dead one
             if c.alive:

@@ -283,9 +283,12 @@ class StepTimeout(msgspec.Struct):
 
 
 class RoleDown(msgspec.Struct):
-    """Launcher -> scheduler: a role died and is being restarted (health turns 503)."""
+    """Launcher -> scheduler: a role died and is being restarted (health turns 503).
+    `attributable`: it died of itself (an exception, a crash signal, an error exit), so what it
+    was computing may be the cause; not when it was killed from outside or hung."""
     role: str
     cause: str
+    attributable: bool = False
 
 
 class RoleRestarted(msgspec.Struct):

@@ -7,6 +7,8 @@ import msgspec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias value
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -25,6 +27,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    # token id -> added to its logit before sampling (OpenAI's logit_bias, -100..100)
+    logit_bias: dict[int, float] = {}
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs besides the chosen token's
     skip_special_tokens: bool = True
@@ -94,8 +98,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "entries must be non-empty strings")
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    raise bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+        for t in self.stop_token_ids:
+            _check_token_id("stop_token_ids", t, vocab_size)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad("logit_bias", f"has {len(self.logit_bias)} entries, at most "
+                                    f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
+        for t, v in self.logit_bias.items():
+            _check_token_id("logit_bias", t, vocab_size)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                    or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"value for token {t} must be a number in "
+                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
         return self
+
+
+def _check_token_id(field: str, token: object, vocab_size: int | None) -> None:
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValueError(f"{field} contains {token!r}, which is not a token id (an integer >= 0)")
+    if vocab_size is not None and token >= vocab_size:
+        raise ValueError(f"{field} contains {token}, outside the vocabulary [0, {vocab_size})")

@@ -32,3 +32,13 @@ def test_faults_apply_to_their_role_and_first_incarnation_only():
     assert not FaultInjector("worker1", specs, incarnation=1)
     with pytest.raises(FaultInjected):
         FaultInjector("worker0", specs, incarnation=2).on_message()
+
+
+def test_a_token_trigger_fires_on_the_plan_that_sends_that_prompt_token():
+    from pagedserve.faults import FaultInjected, FaultInjector, parse
+    inj = FaultInjector("worker0", parse("worker0:raise@token=1234!"), incarnation=2)
+    assert inj.wants_tokens
+    inj.on_message(step=1, token_ids={5, 6})
+    with pytest.raises(FaultInjected, match="worker0 at step 2"):
+        inj.on_message(step=2, token_ids={5, 1234})
+    inj.on_message(step=3, token_ids={1234})  # fired once per incarnation

@@ -66,6 +66,22 @@ class Sampler:
 
     def _penalised(self, logits: torch.Tensor, params: list[SamplingParams],
                    token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
+        """Penalties, then logit biases; the caller's `logits` are never changed."""
+        out = self._with_penalties(logits, params, token_ids, num_prompt_tokens)
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if not biased:
+            return out
+        if out is logits:  # no penalty made a copy yet
+            out = logits.clone(memory_format=torch.contiguous_format)
+        vocab = out.shape[1]
+        slots = [row * vocab + token for row in biased for token in params[row].logit_bias]
+        values = [v for row in biased for v in params[row].logit_bias.values()]
+        out.view(-1).index_add_(0, torch.tensor(slots, device=out.device),
+                                torch.tensor(values, dtype=out.dtype, device=out.device))
+        return out
+
+    def _with_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
+                        token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not rows:
             return logits

@@ -32,7 +32,9 @@ class WorkerService:
     def on_plan(self, plan: messages.StepPlan) -> None:
         self.step_id = plan.step_id
         if self.faults:
-            self.faults.on_message(step=plan.step_id)
+            tokens = {t for new in plan.new_seqs for t in new.prompt_token_ids} \
+                if self.faults.wants_tokens else ()
+            self.faults.on_message(step=plan.step_id, token_ids=tokens)
         result = self.core.execute(plan)
         if result is not None:
             self.send_to_scheduler(result)

@@ -48,7 +48,27 @@ def _notify_launcher(control_addr: str, msg) -> None:
         ctx.term()
 
 
-def build_server(cfg) -> _Server:
+HEARTBEAT_S = 1.0  # the launcher restarts an ingress silent for --heartbeat-timeout
+
+
+async def heartbeats(control_addr: str) -> None:
+    """Tell the launcher the event loop still runs: a hung loop stops these, and the launcher
+    restarts the ingress."""
+    ctx = zmq.Context()
+    sock = transport.make_socket(ctx, zmq.PUSH, control_addr, bind=False)
+    try:
+        while True:
+            try:
+                transport.send(sock, messages.Heartbeat("ingress", os.getpid()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the launcher is restarting or gone: nothing to tell
+            await asyncio.sleep(HEARTBEAT_S)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def build_server(cfg, faults=None) -> _Server:
     from pagedserve.pipeline.client import AsyncEngineClient
     from pagedserve.pipeline.ingress.app import build_app
     from pagedserve.pipeline.ingress.context import IngressContext
@@ -69,13 +89,18 @@ def build_server(cfg) -> _Server:
             await engine.close()
 
     app = build_app(ctx, lifespan=lifespan)
+    if faults:  # PAGEDSERVE_FAULT for tests: each HTTP request is a "message" of this role
+        @app.middleware("http")
+        async def inject_faults(request, call_next):
+            faults.on_message()
+            return await call_next(request)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, loop="uvloop",
                             access_log=False, log_level="warning", lifespan="on",
                             timeout_keep_alive=30)
     return _Server(config)
 
 
-async def serve(server: _Server, on_listening) -> None:
+async def serve(server: _Server, on_listening, control_addr: str | None = None) -> None:
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():
@@ -83,14 +108,19 @@ async def serve(server: _Server, on_listening) -> None:
             raise RuntimeError("the HTTP server stopped during start-up")
         await asyncio.sleep(0.05)
     on_listening()
-    await task
+    beats = asyncio.ensure_future(heartbeats(control_addr)) if control_addr else None
+    try:
+        await task
+    finally:
+        if beats is not None:
+            beats.cancel()
 
 
 def main() -> int:
     role = start_role("ingress", "pagedserve HTTP ingress")
     cfg = role.config
     try:
-        server = build_server(cfg)
+        server = build_server(cfg, role.faults)
     except Exception as exc:
         log.error("cannot start: %s", exc)
         _notify_launcher(cfg.ipc.control_addr,
@@ -102,9 +132,10 @@ def main() -> int:
                  server.config.app.state.ctx.model_name)
         _notify_launcher(cfg.ipc.control_addr, messages.ProcessReady(
             "ingress", role.rank, os.getpid(), f"http://{cfg.server.host}:{cfg.server.port}"))
+        role.faults.started()
 
     try:
-        uvloop.run(serve(server, on_listening))
+        uvloop.run(serve(server, on_listening, cfg.ipc.control_addr))
     except SystemExit as exc:  # uvicorn's start-up failure (port in use, engine unreachable)
         log.error("stopped during start-up (code %s)", exc.code)
         _notify_launcher(cfg.ipc.control_addr, messages.ProcessFatal(

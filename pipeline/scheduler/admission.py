@@ -18,8 +18,16 @@ class QueueFull(RequestRejected):
     """The waiting queue is at --max-queued-requests; retry later (HTTP 503 with Retry-After)."""
 
 
-def _is_token_list(ids) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+def _check_token_ids(rid: str, what: str, ids, vocab_size: int | None) -> None:
+    """Every id an integer inside the vocabulary: an id outside it would take a worker down
+    (the embedding's index error) on every restart."""
+    limit = vocab_size if vocab_size is not None else 1 << 62
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limit:
+            where = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None \
+                and isinstance(t, int) and not isinstance(t, bool) and t >= 0 else \
+                "not a token id (an integer >= 0)"
+            raise RequestRejected(rid, f"{what}[{i}] is {t!r}, {where}")
 
 
 def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: int,
@@ -32,10 +40,10 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
         raise RequestRejected(str(rid), "request_id must be a non-empty string")
     if not prompt:
         raise RequestRejected(rid, "prompt has no tokens")
-    if not _is_token_list(prompt) or not _is_token_list(outputs):
-        raise RequestRejected(rid, "token ids must be non-negative integers")
+    _check_token_ids(rid, "prompt_token_ids", prompt, config.vocab_size)
+    _check_token_ids(rid, "output_token_ids", outputs, config.vocab_size)
     try:
-        sampling.validate()
+        sampling.validate(vocab_size=config.vocab_size)
     except ValueError as exc:
         raise RequestRejected(rid, str(exc)) from None
     if outputs and sampling.n != 1:

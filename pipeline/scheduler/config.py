@@ -25,6 +25,9 @@ class SchedulerConfig:
     # Steady decodes travel as the plan's decode columns (scheduler/plan.py). False plans every
     # sequence through the general path: the same plans in another encoding, for tests.
     decode_lanes: bool = True
+    # The model's vocabulary: every token id a request carries (prompt, resubmitted outputs,
+    # stop ids, logit bias) is checked against it at admission. None: not checked.
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -61,4 +64,4 @@ class SchedulerConfig:
                    enable_chunked_prefill=s.enable_chunked_prefill,
                    enable_prefix_caching=cfg.cache.enable_prefix_caching,
                    max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
-                   policy=s.scheduling_policy)
+                   policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None)

@@ -44,7 +44,7 @@ def worker_identity(rank: int) -> bytes:
 
 
 class SchedulerProcess:
-    def __init__(self, cfg: EngineConfig, faults: FaultInjector):
+    def __init__(self, cfg: EngineConfig, faults: FaultInjector, incarnation: int = 0):
         self.cfg = cfg
         self.max_model_len = cfg.max_model_len
         self.tp_size = cfg.parallel.tensor_parallel_size
@@ -55,6 +55,7 @@ class SchedulerProcess:
         self.instance = uuid.uuid4().hex[:12]
         self.epoch = 0
         self.faults = faults
+        self.incarnation = incarnation
         self.ctx = zmq.Context()
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
         self.workers = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
@@ -96,17 +97,23 @@ class SchedulerProcess:
                 pass  # not connected (yet): retried
         self.last_reset_sent = time.monotonic()
 
-    def lose_workers(self, why: str) -> None:
-        """The workers' KV state is gone: recompute everything on a fresh (reset) group."""
+    def lose_workers(self, why: str, attributable: bool = False) -> None:
+        """The workers' KV state is gone: recompute everything on a fresh (reset) group.
+        `attributable`: the loss may have been caused by the step in flight (a rank raised or
+        crashed), which counts against its requests (Scheduler.reset_device_state)."""
         self.epoch += 1
         self.ready_ranks.clear()
         self.inflight = None
         if self.service is not None:
             scheduler = self.service.scheduler
-            n = scheduler.reset_device_state()
+            recovery = scheduler.reset_device_state(why, attributable)
             self.service.roles_down.setdefault("worker", why)
             log.info("worker group lost (%s): %d sequence(s) will be recomputed, %d stay "
-                     "swapped out in the host pool", why, n, scheduler.num_swapped)
+                     "swapped out in the host pool", why, recovery.recomputed,
+                     scheduler.num_swapped)
+            for request_id, message in recovery.failed:
+                log.error("%s", message)
+            self.service.fail_requests(recovery.failed)
         self._send_resets()
 
     def _on_worker_ready(self, msg: messages.WorkerReady, _peer=None) -> None:
@@ -152,6 +159,8 @@ class SchedulerProcess:
             send_to_detok=lambda msg: transport.send(self.detok, msg))
         for role, tag in self._early_unknown:
             self.service.count_unknown(role, tag)
+        if self.incarnation:
+            self.service.restarts["scheduler"] = self.incarnation
         self.dispatcher.handlers = {**self.service.handlers(), **self._group_handlers()}
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
@@ -284,12 +293,14 @@ class SchedulerProcess:
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
         if self.inflight is not None or self.workers_ready:
-            self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}")
+            self.lose_workers(f"rank {msg.rank} failed at step {msg.step_id}: {msg.message}",
+                              attributable=True)
 
     def _on_role_down(self, msg: messages.RoleDown, _peer) -> None:
         log.info("%s is down (%s); restarting", msg.role, msg.cause)
+        self.service.count_restart(msg.role)
         if msg.role.startswith("worker"):
-            self.lose_workers(msg.cause)
+            self.lose_workers(msg.cause, msg.attributable)
         else:
             self.service.roles_down[msg.role] = msg.cause
 
@@ -326,7 +337,7 @@ def _unlink_stale_segment(name: str) -> None:
 
 def main() -> int:
     role = start_role("scheduler", "pagedserve scheduler")
-    proc = SchedulerProcess(role.config, role.faults)
+    proc = SchedulerProcess(role.config, role.faults, role.incarnation)
 
     def on_term(signum, _frame):
         proc.stop_requested = True

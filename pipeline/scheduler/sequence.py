@@ -62,8 +62,7 @@ class RequestState:
 
     __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
                  "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
-                 "num_unfinished",
-                 "forked", "queued")
+                 "num_unfinished", "forked", "queued", "crashes")
 
     def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
                  priority: int, cache_salt: str | None, num_prompt_tokens: int,
@@ -81,6 +80,9 @@ class RequestState:
         self.num_unfinished = sampling.n  # children count before they exist
         self.forked = sampling.n == 1  # nothing to fork for a single sample
         self.queued = True  # counted against max_queued_requests until first admitted
+        # Steps that crashed the worker group while computing it, since it last sampled (the
+        # scheduler fails a request at two: scheduler.py, reset_device_state).
+        self.crashes = 0
 
     @property
     def num_seq_slots(self) -> int:

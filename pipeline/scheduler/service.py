@@ -68,6 +68,10 @@ class SchedulerService:
         # Messages some role received and did not handle, by (role, type tag): /metrics shows
         # them as pagedserve:unknown_messages.
         self.unknown_messages: dict[tuple[str, str], int] = {}
+        # Restarts by role (the worker group counts once per restart of all its ranks): the
+        # launcher's RoleDown news since this scheduler started, and the scheduler's own
+        # incarnation. /metrics shows them as pagedserve:process_restarts.
+        self.restarts: dict[str, int] = {}
 
     @property
     def healthy(self) -> bool:
@@ -149,6 +153,9 @@ class SchedulerService:
             reply = messages.UtilityReply(msg.call_id, error=f"unknown utility method {msg.method!r}")
         self.send_to_client(client_id, reply)
 
+    def count_restart(self, role: str) -> None:
+        self.restarts[role] = self.restarts.get(role, 0) + 1
+
     def count_unknown(self, role: str, tag: str) -> None:
         key = (role, tag)
         self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
@@ -182,6 +189,13 @@ class SchedulerService:
                     finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens))
             if samples:
                 self.send_to_detok(messages.TokenBatch(-1, samples))
+
+    def fail_requests(self, failed: list[tuple[str, str]], status: int = 500) -> None:
+        """Requests the scheduler gave up on (already finished there): the detokenizer tells
+        each owner why and forgets the request."""
+        for request_id, message in failed:
+            if self.owners.pop(request_id, None) is not None:
+                self.send_to_detok(messages.RequestFailed(request_id, status, message))
 
     def fail_all(self, status: int, message: str) -> None:
         """Tell every client its requests cannot complete, and drop them."""
@@ -245,6 +259,7 @@ class SchedulerService:
             "cpu_blocks_used": kv.cpu_blocks_used, "cpu_blocks_total": kv.cpu_blocks_total,
             "num_unfinished_requests": len(self.scheduler.requests),
             "draining": self.draining,
+            "restarts": dict(self.restarts),
             "unknown_messages": [{"role": role, "type": tag, "count": n}
                                  for (role, tag), n in sorted(self.unknown_messages.items())],
         }

@@ -25,6 +25,12 @@ PROMPTS = [f"Write one sentence about {t}." if i % 2 == 0 else f"Q: What do you 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
+def sampled(i: int, max_tokens: int = 20) -> SamplingParams:
+    """Seeded sampling: reproducible, recompute and restarts included."""
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens,
+                          ignore_eos=True)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     return resolve_model(DEFAULT_MODEL)
@@ -83,8 +89,34 @@ class Group:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def pids(self, names) -> dict[str, int | None]:
+        found = {}
+        for name in names:
+            try:
+                found[name] = self.pid_of(name)
+            except LookupError:
+                found[name] = None  # between a death and the restart
+        return found
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts by role as the scheduler counts them (the worker group as "worker")."""
+        return self.client.stats()["restarts"]
+
+    def wait_restarted(self, name: str, old_pid: int, timeout: float = 120) -> int:
+        """Until role `name` runs as a new process (and is healthy again); its new pid."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pid = self.pids([name])[name]
+            if pid is not None and pid != old_pid:
+                self.wait_healthy(max(1.0, deadline - time.monotonic()))
+                return pid
+            assert time.monotonic() < deadline, f"{name} pid={old_pid} was not restarted"
+            time.sleep(0.1)
+
     def submit_all(self, prompt_ids, params=GREEDY):
-        return [self.client.submit(ids, params) for ids in prompt_ids]
+        """`params`: one SamplingParams for all, or a function of the prompt's index."""
+        return [self.client.submit(ids, params(i) if callable(params) else params)
+                for i, ids in enumerate(prompt_ids)]
 
     def wait_tokens(self, at_least: int, timeout: float = 120) -> None:
         """Until the scheduler has generated `at_least` tokens in total."""

@@ -1,5 +1,6 @@
-"""Faults injected with PAGEDSERVE_FAULT: hangs and exceptions in workers and the scheduler,
-a crash loop, a slow detokenizer."""
+"""Faults injected with PAGEDSERVE_FAULT: hangs and exceptions in workers, the scheduler and the
+detokenizer (each shown to have fired mid-stream: the role's pid changed while streams ran, the
+restart counted), a poison request, a crash loop, a slow detokenizer."""
 from __future__ import annotations
 
 import time
@@ -9,35 +10,101 @@ import pytest
 
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.outputs import RequestError
-from tests.faults.conftest import Group, token_ids
+from tests.faults.conftest import GREEDY, Group, sampled, token_ids
 from pagedserve.pipeline.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
 
-def run_reference_then_faulted(group, prompt_ids):
-    """The first batch runs before the fault's step; the second is hit by it mid-stream."""
-    reference = token_ids(group.submit_all(prompt_ids))
-    faulted = token_ids(group.submit_all(prompt_ids))
-    return reference, faulted
+@pytest.fixture(scope="module")
+def batch(prompt_ids):
+    """The 16 prompts each batch of these tests sends."""
+    return prompt_ids[:16]
 
 
-@pytest.mark.parametrize("fault", [
-    # a worker raising, then (after recovery) the scheduler hanging
-    "worker0:raise@step=30;scheduler:hang@step=75",
-    # a worker hanging (caught by --step-timeout), then the scheduler raising
-    "worker0:hang@step=30;scheduler:raise@step=75",
+@pytest.fixture(scope="module")
+def references(model_dir, batch):
+    """What a group without faults gives: greedy and seeded-sampled outputs of the batch."""
+    group = Group(model_dir)
+    try:
+        return {"greedy": token_ids(group.submit_all(batch)),
+                "sampled": token_ids(group.submit_all(batch, sampled))}
+    finally:
+        assert group.close() == 0
+
+
+def batches_until_every_fault_fired(group, prompt_ids, mode, roles, reference, max_batches=6):
+    """Submit the batch again and again until every role in `roles` ran as a new process
+    (its fault fired): each batch must equal the reference, and each fault must have fired
+    while that batch's streams were in flight. Returns the batches run and the restarts."""
+    params = GREEDY if mode == "greedy" else sampled
+    first = group.pids(roles)
+    fired: dict[str, int] = {}
+    for batch in range(1, max_batches + 1):
+        futures = group.submit_all(prompt_ids, params)
+        while not all(f.done() for f in futures):
+            for role, pid in group.pids(roles).items():
+                if role not in fired and pid is not None and pid != first[role]:
+                    fired[role] = batch
+                    # the new process exists before the streams finished: they were in flight
+                    assert not all(f.done() for f in futures), role
+            time.sleep(0.02)
+        assert token_ids(futures) == reference, f"batch {batch} differs from the clean run"
+        for role in roles:  # a death seen only after the batch ended counts for it too
+            pid = group.pids(roles)[role]
+            if role not in fired and (pid is None or pid != first[role]):
+                fired[role] = batch
+        if len(fired) == len(roles):
+            break
+    assert set(fired) == set(roles), f"faults that never fired: {set(roles) - set(fired)}"
+    for role in roles:
+        group.wait_restarted(role, first[role])
+    return batch, group.restarts()
+
+
+@pytest.mark.parametrize("fault, mode, roles", [
+    # a worker raising, then the detokenizer hanging (its heartbeats stop)
+    ("worker0:raise@step=12;detokenizer:hang@msg=100", "greedy", ("worker0", "detokenizer")),
+    # the scheduler raising, then the detokenizer raising; seeded sampling
+    ("scheduler:raise@step=12;detokenizer:raise@msg=100", "sampled",
+     ("scheduler", "detokenizer")),
+    # the scheduler hanging, then a worker hanging (caught by --step-timeout); seeded sampling
+    ("scheduler:hang@step=12;worker0:hang@step=30", "sampled", ("scheduler", "worker0")),
 ])
-def test_hang_and_raise_lose_nothing(model_dir, prompt_ids, fault):
+def test_faults_fire_mid_stream_and_lose_nothing(model_dir, batch, references, fault, mode, roles):
     group = Group(model_dir, fault=fault)
     try:
-        reference, after_worker_fault = run_reference_then_faulted(group, prompt_ids)
-        assert after_worker_fault == reference
-        group.wait_healthy(120)
+        batches, restarts = batches_until_every_fault_fired(group, batch, mode, roles,
+                                                            references[mode])
+        for role in roles:  # the scheduler's count starts again when it restarts itself
+            counted = restarts.get("worker" if role.startswith("worker") else role, 0)
+            assert counted >= 1 or (role != "scheduler" and "scheduler" in roles), (role, restarts)
+        if "scheduler" in roles:
+            assert restarts.get("scheduler") == 1
         assert group.blocks_in_use() == 0
-        # the third batch meets the scheduler fault; the clients resubmit to its successor
-        assert token_ids(group.submit_all(prompt_ids)) == reference
-        group.wait_healthy(120)
+        assert token_ids(group.submit_all(batch, GREEDY if mode == "greedy" else sampled)
+                         ) == references[mode]
+    finally:
+        assert group.close() == 0
+    assert group.leftovers() == []
+
+
+def test_a_poison_request_is_failed_alone_and_the_others_complete(model_dir, batch, references):
+    """A request whose prompt makes a worker raise (a fault keyed on one of its token ids, in
+    every incarnation) is failed after two crashes; the rest finish as in a clean run."""
+    poison = 31337
+    group = Group(model_dir, fault=f"worker0:raise@token={poison}!")
+    try:
+        first = group.pids(["worker0"])["worker0"]
+        futures = group.submit_all(batch)
+        bad = group.client.submit(batch[0][:3] + [poison] + batch[0][3:], GREEDY)
+        with pytest.raises(RequestError) as info:
+            bad.result(300)
+        assert info.value.status == 500
+        assert "2 steps in a row that crashed the worker group" in info.value.message
+        assert token_ids(futures) == references["greedy"]
+        group.wait_restarted("worker0", first)
+        assert group.restarts()["worker"] == 2
         assert group.blocks_in_use() == 0
     finally:
         assert group.close() == 0

@@ -23,12 +23,18 @@ def tp2_group(model_dir, prompt_ids):
 @pytest.mark.parametrize("role", ["worker1", "worker0", "detokenizer", "scheduler"])
 def test_sigkill_mid_stream_loses_nothing(tp2_group, prompt_ids, role):
     group, reference = tp2_group
+    counted = "worker" if role.startswith("worker") else role
+    restarts_before = group.restarts().get(counted, 0)
     before = group.client.stats()["generation_tokens"]
     futures = group.submit_all(prompt_ids)
     group.wait_tokens(before + 32 * 4)  # every stream is under way
-    group.kill(role)
+    killed = group.kill(role)
+    assert not all(f.done() for f in futures)  # the kill hit streams in flight
     assert token_ids(futures) == reference
-    group.wait_healthy(120)
+    assert group.wait_restarted(role, killed) != killed
+    # the scheduler counts the restart (a restarted scheduler counts its own incarnation)
+    restarts = group.restarts()
+    assert restarts.get(counted, 0) == (1 if role == "scheduler" else restarts_before + 1)
     assert group.blocks_in_use() == 0
 
 
@@ -53,9 +59,10 @@ def test_swapped_sequences_survive_a_worker_restart(model_dir, prompt_ids):
             elif stats["generation_tokens"] > seen_at:
                 break
             time.sleep(0.01)
-        group.kill("worker0")
+        killed = group.kill("worker0")
         assert token_ids(futures) == reference
-        group.wait_healthy(120)
+        group.wait_restarted("worker0", killed)
+        assert group.restarts()["worker"] == 1
         assert group.blocks_in_use() == 0
         assert group.client.stats()["cpu_blocks_used"] == 0
     finally:

@@ -56,7 +56,7 @@ def test_admitted_requests_leave_the_queue():
 
 @pytest.mark.parametrize("request_, field", [
     (Request("r", [], SP()), "prompt has no tokens"),
-    (Request("r", [1, -3], SP()), "non-negative integers"),
+    (Request("r", [1, -3], SP()), r"prompt_token_ids\[1\] is -3, not a token id"),
     (Request("r", [1, 2], SP(temperature=5.0)), "temperature"),
     (Request("r", [1, 2], SP(n=2), output_token_ids=[3]), "n=1"),
     (Request("r", [1, 2], SP(n=5)), "max_num_seqs is 4"),
@@ -196,3 +196,25 @@ def test_logprobs_pass_through():
     out = sched.update(plan, StepResult(plan.step_id, [0], [9], [-0.5], [[(9, -0.5), (4, -1.0)]]),
                        0.0)
     assert (out[0].logprobs, out[0].top_logprobs) == ([-0.5], [[(9, -0.5), (4, -1.0)]])
+
+
+def test_token_ids_are_checked_against_the_vocabulary_at_the_gate():
+    """The one gate every entry point passes: an id the model does not have never reaches a
+    worker (its embedding would raise, on every restart of the group)."""
+    sched, _ = make_scheduler(20, block_size=4, vocab_size=100, max_num_seqs=4)
+    bad = {
+        r"prompt_token_ids\[2\] is 100, outside the vocabulary \[0, 100\)":
+            Request("a", [1, 2, 100], SP()),
+        r"output_token_ids\[0\] is 250, outside the vocabulary":
+            Request("b", [1, 2], SP(), output_token_ids=[250]),
+        r"stop_token_ids contains 100, outside the vocabulary":
+            Request("c", [1, 2], SP(stop_token_ids=[100])),
+        r"logit_bias contains 123, outside the vocabulary":
+            Request("d", [1, 2], SP(logit_bias={123: 1.0})),
+        r"prompt_token_ids\[0\] is True, not a token id": Request("e", [True], SP()),
+    }
+    for message, request in bad.items():
+        with pytest.raises(RequestRejected, match=message):
+            sched.add(request)
+    assert not sched.has_unfinished()
+    sched.add(Request("ok", [0, 99], SP(stop_token_ids=[99], logit_bias={5: -1.0})))

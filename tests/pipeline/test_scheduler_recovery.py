@@ -98,3 +98,61 @@ def test_swap_outs_of_the_lost_step_are_recomputed_not_trusted():
         tokens = got.get(r.request_id, []) + rest.get(r.request_id, [])
         assert tokens == expected_tokens(r.prompt_token_ids, 24, 1000), r.request_id
     assert sched.kv.stats().gpu_blocks_used == 0 and sched.kv.stats().cpu_blocks_used == 0
+
+
+def _crashes_on(sched, worker, poison: str, steps: int = 500):
+    """Drive the scheduler; every plan that computes `poison` "crashes the workers" (its
+    result never comes; the workers restart). Returns tokens, failures, and the suspects each
+    plan carried."""
+    got, failed, suspects_per_plan = {}, {}, []
+    for t in range(steps):
+        if not sched.has_unfinished():
+            return got, failed, suspects_per_plan
+        plan = sched.schedule(float(t))
+        planned = {seq.request.request_id for seq in sched._inflight.lanes + sched._inflight.seqs}
+        suspects_per_plan.append(planned & set(sched._suspects))
+        if poison in planned:
+            recovery = sched.reset_device_state("rank 0 raised", attributable=True)
+            failed.update(recovery.failed)
+            worker.gpu = [[None] * worker.bs for _ in worker.gpu]
+            worker.seqs.clear()
+            continue
+        for out in sched.update(plan, worker.execute(plan), float(t)):
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("not finished")
+
+
+def test_a_request_in_two_crashing_steps_is_failed_alone():
+    sched, worker = make_scheduler(num_gpu_blocks=64, block_size=4, max_num_seqs=8)
+    requests = _requests(6, max_tokens=12)
+    for req in requests:
+        sched.add(req)
+    got, failed, suspects = _crashes_on(sched, worker, poison="r3")
+    assert list(failed) == ["r3"]
+    assert "in 2 steps in a row that crashed the worker group (last: rank 0 raised)" in failed["r3"]
+    # every other request completes with exactly the tokens of an undisturbed run
+    for req in requests:
+        if req.request_id != "r3":
+            assert got[req.request_id][-12:] == expected_tokens(req.prompt_token_ids, 12, 1000)
+    assert all(len(s) <= 1 for s in suspects)  # suspects come back one at a time
+    assert not sched._suspects and sched.kv.stats().gpu_blocks_used == 0
+
+
+def test_outside_kills_are_no_evidence_and_a_suspect_that_samples_is_cleared():
+    sched, worker = make_scheduler(num_gpu_blocks=64, block_size=4, max_num_seqs=8)
+    for req in _requests(3, max_tokens=8):
+        sched.add(req)
+    plan = sched.schedule(0.0)
+    sched.update(plan, worker.execute(plan), 0.0)
+    sched.schedule(1.0)  # in flight when a rank was SIGKILLed from outside
+    assert sched.reset_device_state("worker0 was killed by SIGKILL").failed == []
+    assert not sched._suspects
+    worker.gpu = [[None] * worker.bs for _ in worker.gpu]
+    worker.seqs.clear()
+    sched.schedule(2.0)  # in flight when a rank raised: all three are suspects now
+    assert sched.reset_device_state("rank 0 raised", attributable=True).failed == []
+    assert set(sched._suspects) == {"r0", "r1", "r2"}
+    worker.gpu = [[None] * worker.bs for _ in worker.gpu]
+    worker.seqs.clear()
+    assert _finish(sched, worker).keys() == {"r0", "r1", "r2"}
+    assert not sched._suspects and all(r.crashes == 0 for r in sched.requests.values())

@@ -275,3 +275,34 @@ def test_each_row_gets_its_own_treatment():
         if params[row].seed is not None or params[row].greedy:
             alone = run(logits[row:row + 1], [params[row]], [history[row]], [3])
             assert alone.token_ids[0] == out.token_ids[row]
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw():
+    import math
+
+    from pagedserve.pipeline.sampling_params import SamplingParams as SP
+    from pagedserve.workers.sampler import Sampler
+
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5]])
+    before = logits.clone()
+    out = Sampler(seed=0)(logits, [SP(temperature=0, logit_bias={2: 5.0}, logprobs=0),
+                                   SP(temperature=0, logit_bias={1: -100.0})],
+                          [[1], [1]], [1, 1])
+    assert out.token_ids == [2, 2]
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+    assert math.isclose(out.logprobs[0], torch.log_softmax(before[0], 0)[2].item(), rel_tol=1e-6)
+    # a sampled row never draws a token biased to -100
+    draws = Sampler(seed=1)(logits[:1].repeat(64, 1), [SP(temperature=1.0, logit_bias={0: -100.0})] * 64,
+                            [[1]] * 64, [1] * 64)
+    assert 0 not in draws.token_ids
+
+
+def test_logit_bias_is_validated():
+    from pagedserve.pipeline.sampling_params import SamplingParams as SP
+
+    with pytest.raises(ValueError, match="logit_bias contains 9, outside the vocabulary"):
+        SP(logit_bias={9: 1.0}).validate(vocab_size=8)
+    with pytest.raises(ValueError, match=r"logit_bias value for token 1 must be a number in \[-100, 100\]"):
+        SP(logit_bias={1: 101.0}).validate()
+    with pytest.raises(ValueError, match="stop_token_ids contains -1, which is not a token id"):
+        SP(stop_token_ids=[-1]).validate()
