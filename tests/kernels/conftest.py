@@ -15,10 +15,10 @@ import pytest
 import torch
 from triton_mode import DEVICE, kernel_modules, triton_runs_here
 
-from pagedserve.kernels import native
-
 if DEVICE == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
+
+from pagedserve.kernels import native  # noqa: E402  (imports triton: after TRITON_INTERPRET)
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,8 @@ def test_model_without_native_kernels_equals_transformers(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for name, reason in report["reasons"].items():
-        assert reason.startswith(f"native {name} kernels unavailable: ") and str(compiler) in \
-            reason, (name, reason)
+        assert reason is not None and reason.startswith(
+            f"native {name} kernels unavailable: ") and str(compiler) in reason, (name, reason)
     reported = report["paths"]
     assert reported.pop("int8") == ["off", "--quantization none"]
     assert reported.keys() == TORCH_KERNELS.keys()
