@@ -16,8 +16,10 @@ from pagedserve.pipeline.ingress.chat import create_chat_completion
 from pagedserve.pipeline.ingress.completions import create_completion
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError, error_body
+from pagedserve.pipeline.ingress.limits import HeaderLimits
 from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSES,
-                                                 METRICS_RESPONSES, ChatCompletionChunk,
+                                                 LIMIT_ERRORS, METRICS_RESPONSES,
+                                                 ChatCompletionChunk,
                                                  ChatCompletionResponse, CompletionChunk,
                                                  CompletionResponse, ModelList, VersionInfo,
                                                  generation_responses, install_openapi,
@@ -44,8 +46,9 @@ def build_app(ctx: IngressContext,
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     _install_error_handlers(app)
+    app.add_middleware(HeaderLimits)
     install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None)
-    auth_errors = API_KEY_ERRORS if ctx.api_key is not None else {}
+    v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 
     async def check_api_key(request: Request) -> None:
         if ctx.api_key is None:
@@ -60,19 +63,19 @@ def build_app(ctx: IngressContext,
 
     @v1.post("/completions", openapi_extra=request_body(CompletionRequest),
              responses={**generation_responses(CompletionResponse, CompletionChunk),
-                        **auth_errors})
+                        **v1_errors})
     async def completions(request: Request) -> Response:
         """Text completion of a prompt, a batch of prompts, or token ids."""
         return await create_completion(ctx, request)
 
     @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
              responses={**generation_responses(ChatCompletionResponse, ChatCompletionChunk),
-                        **auth_errors})
+                        **v1_errors})
     async def chat_completions(request: Request) -> Response:
         """Chat completion: the messages through the model's chat template."""
         return await create_chat_completion(ctx, request)
 
-    @v1.get("/models", response_model=None, responses={200: {"model": ModelList}, **auth_errors})
+    @v1.get("/models", response_model=None, responses={200: {"model": ModelList}, **v1_errors})
     async def models() -> dict:
         """The served model."""
         created = int(time.time())
@@ -83,7 +86,7 @@ def build_app(ctx: IngressContext,
 
     app.include_router(v1)
 
-    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
+    @app.get("/health", response_class=Response, responses={**HEALTH_RESPONSES, **LIMIT_ERRORS})
     async def health() -> Response:
         """200 while the engine answers, else 503."""
         if await ctx.engine.health():
@@ -91,11 +94,13 @@ def build_app(ctx: IngressContext,
         return JSONResponse(error_body("the engine is not healthy", type="server_error",
                                        code="engine_unavailable"), status_code=503)
 
-    @app.get("/version", response_model=None, responses={200: {"model": VersionInfo}})
+    @app.get("/version", response_model=None,
+             responses={200: {"model": VersionInfo}, **LIMIT_ERRORS})
     async def version() -> dict:
         return {"version": _version()}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={**METRICS_RESPONSES, **LIMIT_ERRORS})
     async def metrics() -> Response:
         """Prometheus metrics: the engine's gauges and counters, the ingress's latencies."""
         await ctx.refresh_stats()

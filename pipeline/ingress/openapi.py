@@ -170,9 +170,15 @@ def generation_responses(response: type[BaseModel], chunk: type[BaseModel]) -> d
         400: _error("The body is not a valid request (the message and `param` name the field), "
                     "or it does not fit the model's context."),
         404: _error("`model` is not the served model."),
+        408: _error("The body did not arrive in time (a client sending it too slowly)."),
         413: _error("The body is larger than --max-request-bytes."),
         503: _OVERLOADED,
     }
+
+
+# Every route: refused before routing by limits.HeaderLimits.
+LIMIT_ERRORS = {414: _error("The URL is too long."),
+                431: _error("The request headers are too large.")}
 
 
 HEALTH_RESPONSES = {200: {"description": "The engine answers."},

@@ -5,12 +5,14 @@ length checks need the token count and run after it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from pagedserve.pipeline.ingress import limits
 from pagedserve.pipeline.ingress.errors import APIError, invalid
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.sampling_params import SamplingParams
@@ -34,10 +36,20 @@ def too_large(limit: int) -> APIError:
 
 
 async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing more than `limit` bytes before reading them all."""
+    """The body as a JSON object, refusing more than `limit` bytes before reading them all, and
+    a body that takes longer than limits.BODY_TIMEOUT_S to arrive (a client trickling it)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
+    try:
+        raw = await asyncio.wait_for(_read_body(request, limit), limits.BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.BODY_TIMEOUT_S:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    return decode_json_object(raw)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -47,7 +59,7 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the body") from None
-    return decode_json_object(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def parse_request(model: type[M], body: dict[str, Any]) -> M:
