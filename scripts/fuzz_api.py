@@ -357,10 +357,11 @@ async def settle(target: Target, timeout: float) -> dict[str, float]:
         await asyncio.sleep(0.5)
 
 
-def _merge(*counters: Counter) -> dict[str, int]:
+def _merge(*counts: dict) -> dict[str, int]:
+    """Counts by status added up; 200 and "200" are the same status."""
     total: Counter = Counter()
-    for c in counters:
-        total.update(c)
+    for c in counts:
+        total.update({str(k): n for k, n in c.items()})
     return _by_status(total)
 
 
@@ -368,7 +369,7 @@ def _server_errors(statuses: dict[str, int]) -> int:
     return sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
 
 
-# -- main --------------------------------------------------------------------------------------------
+# -- main -----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True)
@@ -428,8 +429,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[fuzz_api] {part}: {json.dumps(out)[:400]}", file=sys.stderr, flush=True)
     gauges = asyncio.run(settle(target, args.settle_timeout))
     after = asyncio.run(normal_completion(target, args.timeout))
-    statuses = _merge(*(Counter({k: v for k, v in p["statuses"].items()})
-                        for p in result["parts"].values()), Counter([after]))
+    statuses = _merge(*(p["statuses"] for p in result["parts"].values()), Counter([after]))
     result.update({
         "requests": sum(p["requests"] for p in result["parts"].values()) + 1,
         "statuses": statuses, "server_errors_5xx": _server_errors(statuses),

@@ -46,7 +46,8 @@ class HeaderLimits:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        url = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = len(path) + len(scope.get("query_string", b""))
         if url > self.max_url_bytes:
             return _error(414, f"the URL has {url} bytes; at most {self.max_url_bytes} are allowed",
                           "uri_too_long")

@@ -32,7 +32,8 @@ def served_schema(**ctx_kwargs) -> dict:
 def test_every_route_is_documented_with_its_body_and_errors():
     schema = served_schema()
     assert schema["openapi"].startswith("3.1")
-    assert {p: set(ops) for p, ops in schema["paths"].items()} == {p: {m} for p, m in ROUTES.items()}
+    documented = {path: set(ops) for path, ops in schema["paths"].items()}
+    assert documented == {path: {method} for path, method in ROUTES.items()}
     components = schema["components"]["schemas"]
     for path, model in (("/v1/completions", CompletionRequest),
                         ("/v1/chat/completions", ChatCompletionRequest)):
