@@ -63,12 +63,13 @@ def send(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes | None = None, f
 
 
 def send_to_peer(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes) -> bool:
-    """Send on a ROUTER to `identity`; False, nothing sent, when that peer is gone (a client
-    that disconnected before its reply: there is no one left to tell)."""
+    """Send on a ROUTER to `identity` without waiting; False, nothing sent, when that peer is
+    gone (a client that disconnected before its reply: there is no one left to tell) or its
+    queue is full (a client that does not read its replies)."""
     try:
-        send(sock, msg, identity=identity)
+        send(sock, msg, identity=identity, flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
+        if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
             raise
         return False
     return True
@@ -83,8 +84,21 @@ def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Any]:
     return frames[0], decode(frames[1:])
 
 
+# No message of ours comes near this (a plan of 256 new 8k-token sequences is ~10 MB): a
+# larger frame is a broken or hostile peer, and ZeroMQ drops its connection.
+MAX_MESSAGE_BYTES = 256 * 2**20
+# Messages queued per peer on the sockets that face clients: a client that stops reading stops
+# getting messages (the detokenizer holds them a while, then aborts the client's requests)
+# instead of growing the engine's memory without bound.
+CLIENT_HWM = 10_000
+
+
 def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
-                identity: bytes | None = None) -> zmq.Socket:
+                identity: bytes | None = None, hwm: int = 0,
+                max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """`hwm`: messages queued per peer each way (0: unbounded, for the engine's own sockets,
+    where a message dropped for a full queue would be a lost request); `max_message_bytes`:
+    larger incoming frames drop their sender."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
@@ -94,7 +108,8 @@ def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
         # process learns that a client disconnected.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     for opt in (zmq.SNDHWM, zmq.RCVHWM):
-        sock.setsockopt(opt, 0)  # never drop a message of ours because a queue is "full"
+        sock.setsockopt(opt, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if bind:
         if addr.startswith("ipc://"):
             path = addr[len("ipc://"):]

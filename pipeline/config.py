@@ -8,6 +8,7 @@ and none reads the environment or the model files for settings of its own.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -175,15 +176,73 @@ class IpcArgs:
     events_addr: str = ""     # scheduler PULL <- detokenizer and launcher: StopMatched, RoleDown
     detok_addr: str = ""      # detokenizer PULL <- scheduler TokenBatch
     control_addr: str = ""    # launcher PULL <- every child's Ready / Fatal
-    dist_init_addr: str = ""  # torch.distributed rendezvous (tcp://host:port)
+    # torch.distributed rendezvous: a file:// store in the ipc folder on one host (only its
+    # owner can open it); the launcher names a fresh one for every start of the worker group
+    dist_init_addr: str = ""
+    owns_dir: bool = False    # the launcher created ipc_dir, so it removes it at the end
 
     def fill_defaults(self) -> None:
         if not self.ipc_dir:
-            self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
-        for name in ("frontend", "output", "plan", "events", "detok", "control"):
+            self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
+            self.owns_dir = True
+        else:
+            self.owns_dir = prepare_ipc_dir(self.ipc_dir)
+        for name in SOCKET_NAMES:
             attr = f"{name}_addr"
             if not getattr(self, attr):
-                setattr(self, attr, f"ipc://{os.path.join(self.ipc_dir, name)}.sock")
+                setattr(self, attr, f"ipc://{self.socket_path(name)}")
+
+    def socket_path(self, name: str) -> str:
+        return os.path.join(self.ipc_dir, f"{name}.sock")
+
+    @property
+    def tag(self) -> str:
+        """This group's prefix for what it creates outside the ipc folder (shared-memory
+        segments): the folder's name and a hash of its path, so two groups never share one."""
+        path = os.path.abspath(self.ipc_dir)
+        return f"{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+    def shm_segments(self, tensor_parallel_size: int) -> list[str]:
+        """Every shared-memory segment the group creates: the scheduler's block tables and each
+        rank's host swap pool."""
+        return [self.block_tables_segment] + [self.swap_segment(r)
+                                              for r in range(tensor_parallel_size)]
+
+    @property
+    def block_tables_segment(self) -> str:
+        return f"{self.tag}_bt"
+
+    def swap_segment(self, rank: int) -> str:
+        return f"{self.tag}_swap{rank}"
+
+    def rendezvous(self, start: int) -> str:
+        """The file:// store of the worker group's `start`-th start."""
+        return f"file://{os.path.join(self.ipc_dir, f'rendezvous-{start}')}"
+
+
+SOCKET_NAMES = ("frontend", "output", "plan", "events", "detok", "control")
+
+
+def prepare_ipc_dir(path: str) -> bool:
+    """A folder only this user can enter, for the group's sockets and rendezvous: created with
+    mode 0700 when missing (then True: the group owns it), else checked. A folder others may
+    enter would let them connect to the sockets and submit plans or read tokens."""
+    try:
+        os.makedirs(path, mode=0o700)
+        return True
+    except FileExistsError:
+        pass
+    info = os.stat(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"--ipc-dir {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"--ipc-dir {path} belongs to uid {info.st_uid}, not to this user "
+                         f"({os.getuid()}): its owner could replace the engine's sockets")
+    if info.st_mode & 0o077:
+        raise ValueError(f"--ipc-dir {path} is open to other users (mode "
+                         f"{info.st_mode & 0o777:04o}): they could connect to the engine's "
+                         f"sockets; use a folder with mode 0700 (chmod 700 {path})")
+    return False
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class EngineGroup:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         atexit.unregister(self.stop)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)  # ours: made in __init__
         return self.proc.returncode
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ import zmq
 from pagedserve import envs, transport
 from pagedserve.lifecycle import setup_logging
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.config import EngineConfig, ModelInfo, build_arg_parser, config_from_args
+from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, build_arg_parser,
+                                        config_from_args)
 
 log = logging.getLogger("pagedserve.launcher")
 
@@ -59,12 +58,6 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_exit(code: int) -> str:
@@ -104,7 +97,12 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         cfg = self.config
-        cfg.ipc.dist_init_addr = cfg.ipc.dist_init_addr or f"tcp://127.0.0.1:{free_tcp_port()}"
+        # One host: the rendezvous is a file store in the 0700 ipc folder, a fresh one for
+        # every start of the worker group, and gloo/NCCL talk over loopback only.
+        self.local_rendezvous = not cfg.ipc.dist_init_addr
+        self.worker_starts = 0
+        if self.local_rendezvous:
+            cfg.ipc.dist_init_addr = cfg.ipc.rendezvous(0)
         roles = ["scheduler", *["worker"] * cfg.parallel.tensor_parallel_size, "detokenizer"]
         roles += ["ingress"] if cfg.server.http else []
         ranks = collections.Counter()
@@ -129,6 +127,9 @@ class Supervisor:
         cmd = [sys.executable, "-m", child.module, "--config-json", self.config.to_json(),
                "--rank", str(child.rank), "--incarnation", str(child.incarnation)]
         env = dict(os.environ, **{envs.ROLE_VARIABLE: child.name})
+        if child.role == "worker" and self.local_rendezvous:
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                env.setdefault(variable, "lo")
         # Own session: a terminal's Ctrl-C reaches only the launcher, which orders the drain.
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         if child.pidfd >= 0:
@@ -293,7 +294,10 @@ class Supervisor:
         for c in workers:
             if c.proc is not None:
                 c.proc.wait()
-        self.config.ipc.dist_init_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+        if self.local_rendezvous:  # a store file holds its keys: the new group needs a new one
+            self._remove(self.config.ipc.dist_init_addr.removeprefix("file://"))
+            self.worker_starts += 1
+            self.config.ipc.dist_init_addr = self.config.ipc.rendezvous(self.worker_starts)
         for c in workers:
             self.start(c)
 
@@ -335,22 +339,34 @@ class Supervisor:
                 child.pidfd = -1
 
     def _cleanup(self) -> None:
+        """Remove exactly what this group created: its sockets, rendezvous files and
+        shared-memory segments (the scheduler and workers unlink theirs unless they were
+        killed), and the ipc folder if the launcher made it."""
         for sock in (self.control, self.to_scheduler, self.to_detok):
             sock.close(0)
         self.ctx.term()
-        ipc_dir = self.config.ipc.ipc_dir
-        if ipc_dir and os.path.isdir(ipc_dir) and os.path.basename(ipc_dir).startswith("pagedserve-"):
-            shutil.rmtree(ipc_dir, ignore_errors=True)
-        # Shared-memory segments are owned (and unlinked) by the scheduler; if it was killed,
-        # remove what it left, named after the ipc folder.
-        tag = os.path.basename(ipc_dir)
-        if tag and os.path.isdir("/dev/shm"):
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(tag):
-                    try:
-                        os.unlink(os.path.join("/dev/shm", name))
-                    except OSError:
-                        pass
+        ipc = self.config.ipc
+        for name in SOCKET_NAMES:
+            self._remove(ipc.socket_path(name))
+        if self.local_rendezvous:
+            for start in range(self.worker_starts + 1):
+                self._remove(ipc.rendezvous(start).removeprefix("file://"))
+        for segment in ipc.shm_segments(self.config.parallel.tensor_parallel_size):
+            self._remove(os.path.join("/dev/shm", segment))
+        if ipc.owns_dir:
+            try:
+                os.rmdir(ipc.ipc_dir)
+            except OSError as exc:  # something not ours is in it: leave it
+                log.warning("left %s in place: %s", ipc.ipc_dir, exc)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
 
 
 def resolve_model(config: EngineConfig) -> None:

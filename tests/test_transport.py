@@ -75,3 +75,44 @@ def test_receive_decodes_routes_and_rejects():
     assert got == [(messages.Abort(["a"]), ()), (messages.Abort(["b"]), (b"id",)),
                    (messages.Abort(["c"]), (None,))]
     assert d.unknown == {"Abort": 1}
+
+
+def test_an_oversized_frame_drops_its_sender_not_the_receiver(tmp_path):
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/big.sock"
+    router = transport.make_socket(ctx, zmq.ROUTER, addr, bind=True, max_message_bytes=4096)
+    big = transport.make_socket(ctx, zmq.DEALER, addr, bind=False, identity=b"big")
+    small = transport.make_socket(ctx, zmq.DEALER, addr, bind=False, identity=b"small")
+    try:
+        big.send_multipart([b"Abort", b"\x00" * 10_000])
+        transport.send(small, messages.Abort(["ok"]))
+        assert router.poll(5000)
+        identity, msg = transport.recv_routed(router)
+        assert identity == b"small" and msg == messages.Abort(["ok"])
+        assert not router.poll(300)  # the oversized frame never arrived
+    finally:
+        for s in (router, big, small):
+            s.close(0)
+        ctx.term()
+
+
+def test_a_client_that_does_not_read_is_skipped_not_waited_for(tmp_path):
+    import time
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/hwm.sock"
+    router = transport.make_socket(ctx, zmq.ROUTER, addr, bind=True, hwm=10)
+    idle = transport.make_socket(ctx, zmq.DEALER, addr, bind=False, identity=b"idle", hwm=10)
+    try:
+        transport.send(idle, messages.Abort(["hello"]))  # the router learns its identity
+        assert router.poll(5000)
+        transport.recv_routed(router)
+        payload = messages.Abort(["x" * 10_000])
+        start, sent = time.monotonic(), 0
+        while transport.send_to_peer(router, payload, b"idle"):
+            sent += 1
+            assert sent < 1_000_000
+        assert time.monotonic() - start < 10  # a full queue answers at once, it never blocks
+    finally:
+        router.close(0)
+        idle.close(0)
+        ctx.term()

@@ -89,7 +89,6 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
                          else cfg.scheduling.max_num_seqs, quantization=cfg.model.quantization)
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
-    tag = os.path.basename(cfg.ipc.ipc_dir) or f"pagedserve-{os.getppid()}"
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
-                      swap_shm_name=f"{tag}_swap{rank}" if shared_swap else None)
+                      swap_shm_name=cfg.ipc.swap_segment(rank) if shared_swap else None)
     return core, runner_blocks, num_cpu_blocks

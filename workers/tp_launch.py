@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -34,12 +35,6 @@ class RankSpec:
     quantization: str = "none"      # or int8 (ModelRunner)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, size: int, init_method: str, spec: RankSpec, conn: Connection) -> None:
     try:
         import torch
@@ -51,6 +46,7 @@ def _rank_main(rank: int, size: int, init_method: str, spec: RankSpec, conn: Con
         from pagedserve.workers.core import WorkerCore
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on loopback only
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device
         init_distributed(rank, size, init_method, device)
         runner = ModelRunner(load_config(spec.model_dir), spec.model_dir, getattr(torch, spec.dtype),
@@ -82,7 +78,9 @@ class TPWorkers:
     def __init__(self, spec: RankSpec, tp_size: int, *, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # A file store in a private temp folder: no socket listens for the rendezvous
+        self._store_dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
+        init_method = f"file://{os.path.join(self._store_dir, 'rendezvous')}"
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
         for rank in range(tp_size):
@@ -139,6 +137,7 @@ class TPWorkers:
                 proc.kill()
                 proc.join()
         self._conns, self._procs = [], []
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def __enter__(self) -> TPWorkers:
         return self

@@ -36,13 +36,16 @@ def main() -> int:
     ctx = zmq.Context()
     inbox = transport.make_socket(ctx, zmq.PULL, cfg.ipc.detok_addr, bind=True)
     inbox.setsockopt(zmq.RCVHWM, 1024)  # with the scheduler's SNDHWM: bounded memory
-    clients = transport.make_socket(ctx, zmq.ROUTER, cfg.ipc.output_addr, bind=True)
+    clients = transport.make_socket(ctx, zmq.ROUTER, cfg.ipc.output_addr, bind=True,
+                                    hwm=transport.CLIENT_HWM)
     events = transport.make_socket(ctx, zmq.PUSH, cfg.ipc.events_addr, bind=False)
     control = transport.make_socket(ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
 
     service = DetokenizerService(
         tokenizer,
-        send_to_client=lambda cid, msg: transport.send(clients, msg, identity=cid),
+        # Without waiting: a client whose queue is full has its deltas held, then is dropped.
+        send_to_client=lambda cid, msg: transport.send(clients, msg, identity=cid,
+                                                       flags=zmq.NOBLOCK),
         send_to_scheduler=lambda msg: transport.send(events, msg))
 
     def shutdown(msg: messages.Shutdown, _peer=None) -> None:

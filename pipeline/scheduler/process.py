@@ -57,7 +57,8 @@ class SchedulerProcess:
         self.faults = faults
         self.incarnation = incarnation
         self.ctx = zmq.Context()
-        self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr, bind=True)
+        self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr,
+                                              bind=True, hwm=transport.CLIENT_HWM)
         self.workers = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
         self.events = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.events_addr, bind=True)
         self.detok = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
@@ -145,11 +146,11 @@ class SchedulerProcess:
         from pagedserve.kvmanager import SharedBlockTables
         sconf = SchedulerConfig.from_engine(self.cfg)
         max_blocks = -(-self.max_model_len // sconf.block_size)
-        tag = os.path.basename(self.cfg.ipc.ipc_dir) or f"pagedserve-{os.getpid()}"
-        _unlink_stale_segment(f"{tag}_bt")  # a killed predecessor could not unlink its own
+        segment = self.cfg.ipc.block_tables_segment
+        _unlink_stale_segment(segment)  # a killed predecessor could not unlink its own
         # A row per sequence holding blocks: running ones plus swapped ones (>= 1 host block each).
         self.block_tables = SharedBlockTables(sconf.max_num_seqs + num_cpu_blocks, max_blocks,
-                                              name=f"{tag}_bt")
+                                              name=segment)
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)

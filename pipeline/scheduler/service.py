@@ -72,6 +72,7 @@ class SchedulerService:
         # launcher's RoleDown news since this scheduler started, and the scheduler's own
         # incarnation. /metrics shows them as pagedserve:process_restarts.
         self.restarts: dict[str, int] = {}
+        self.foreign_aborts = 0  # aborts a client sent for requests it does not own (ignored)
 
     @property
     def healthy(self) -> bool:
@@ -91,9 +92,17 @@ class SchedulerService:
         }
 
     def _on_abort_message(self, msg: messages.Abort, client_id: bytes | None) -> None:
-        if client_id is not None:
-            self.seen(client_id)
-        self.on_abort(msg.request_ids)
+        """From a client: only its own requests (an id is no capability: any client could
+        guess another's). From the detokenizer (no identity): any request."""
+        if client_id is None:
+            self.on_abort(msg.request_ids)
+            return
+        self.seen(client_id)
+        own = [rid for rid in msg.request_ids
+               if (owner := self.owners.get(rid)) is not None and owner.client_id == client_id]
+        if len(own) < len(msg.request_ids):
+            self.foreign_aborts += len(msg.request_ids) - len(own)
+        self.on_abort(own)
 
     def on_role_restarted(self, role: str) -> None:
         self.roles_down.pop(role, None)
@@ -259,7 +268,7 @@ class SchedulerService:
             "cpu_blocks_used": kv.cpu_blocks_used, "cpu_blocks_total": kv.cpu_blocks_total,
             "num_unfinished_requests": len(self.scheduler.requests),
             "draining": self.draining,
-            "restarts": dict(self.restarts),
+            "restarts": dict(self.restarts), "foreign_aborts": self.foreign_aborts,
             "unknown_messages": [{"role": role, "type": tag, "count": n}
                                  for (role, tag), n in sorted(self.unknown_messages.items())],
         }

@@ -53,7 +53,9 @@ class Group:
 
     def __init__(self, model_dir, *, tp: int = 1, fault: str = "", http: bool = False,
                  extra: tuple[str, ...] = ()):
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        # A folder the launcher creates (and so removes) inside one of ours
+        self.parent_dir = tempfile.mkdtemp(prefix="pagedserve-test-")
+        self.ipc_dir = os.path.join(self.parent_dir, "ipc")
         self.port = free_port() if http else None
         cmd = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model", str(model_dir),
                "--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05",
@@ -144,10 +146,17 @@ class Group:
             return self.proc.wait()
 
     def leftovers(self) -> list[str]:
-        tag = os.path.basename(self.ipc_dir)
+        from pagedserve.pipeline.config import IpcArgs
+        tag = IpcArgs(ipc_dir=self.ipc_dir).tag
         found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(tag)]
         if os.path.exists(self.ipc_dir):
             found.append(self.ipc_dir)
+        try:
+            os.rmdir(self.parent_dir)  # ours, and empty unless the launcher left something
+        except FileNotFoundError:
+            pass
+        except OSError:
+            found.append(self.parent_dir)
         for p in psutil.process_iter(["cmdline"]):
             if self.ipc_dir in " ".join(p.info["cmdline"] or []):
                 found.append(f"pid {p.pid}")

@@ -68,3 +68,14 @@ def test_swapped_sequences_survive_a_worker_restart(model_dir, prompt_ids):
     finally:
         assert group.close() == 0
     assert group.leftovers() == []
+
+
+def test_the_group_listens_on_loopback_only(tp2_group):
+    """No socket of a one-host group (TP rendezvous, gloo's pairs, ZeroMQ) listens on a
+    public address: the rendezvous is a file in the 0700 ipc folder, gloo is pinned to lo."""
+    import psutil
+    group, _ = tp2_group
+    procs = [psutil.Process(group.proc.pid), *psutil.Process(group.proc.pid).children()]
+    listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in procs
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening

@@ -56,7 +56,7 @@ def test_quantization_flag():
         _cfg("--quantization", "int8", "--dtype", "bfloat16")
 
 
-def test_offline_api_forwards_every_engine_argument_to_the_group():
+def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
     # LLM(...) starts the group with a command line: no engine argument may be dropped on the way
     from dataclasses import asdict
 
@@ -77,7 +77,7 @@ def test_offline_api_forwards_every_engine_argument_to_the_group():
         defaults = asdict(getattr(EngineConfig(), section))
         assert all(asdict(getattr(config, section))[k] != v for k, v in defaults.items()
                    if k != "model"), f"{section}: the test leaves a field at its default"
-    config.ipc.ipc_dir = "/tmp/x"
+    config.ipc.ipc_dir = str(tmp_path / "ipc")
     argv = _config_to_argv(config, "/some/dir")
     argv.remove("--die-with-parent")   # the launcher's own flag (pipeline/launch.py)
     back = _cfg(*argv)
@@ -90,3 +90,21 @@ def test_enforce_eager_flag():
     assert _cfg("--enforce-eager").parallel.enforce_eager is True
     from pagedserve.pipeline.config import EngineConfig
     assert EngineConfig.from_kwargs(enforce_eager=True).parallel.enforce_eager is True
+
+
+def test_ipc_dir_is_created_private_or_refused_when_others_can_enter(tmp_path):
+    import os
+
+    from pagedserve.pipeline.config import IpcArgs, prepare_ipc_dir
+    fresh = tmp_path / "fresh"
+    assert prepare_ipc_dir(str(fresh)) is True and (fresh.stat().st_mode & 0o777) == 0o700
+    assert prepare_ipc_dir(str(fresh)) is False  # exists, private: used, not owned
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(ValueError, match=r"open to other users \(mode 0755\).*chmod 700"):
+        prepare_ipc_dir(str(open_dir))
+    a, b = IpcArgs(ipc_dir=str(tmp_path / "g")), IpcArgs(ipc_dir=str(tmp_path / "x" / "g"))
+    assert a.tag != b.tag and a.tag.startswith("g-")  # same folder name, other groups
+    assert a.shm_segments(2) == [f"{a.tag}_bt", f"{a.tag}_swap0", f"{a.tag}_swap1"]
+    assert a.rendezvous(3) == f"file://{tmp_path}/g/rendezvous-3"

@@ -1,0 +1,54 @@
+"""SchedulerService: what it does with each message, through its dispatch table."""
+from __future__ import annotations
+
+from pagedserve import transport
+from pagedserve.pipeline import messages
+from pagedserve.pipeline.sampling_params import SamplingParams
+from pagedserve.pipeline.scheduler.service import SchedulerService
+from sched_fakes import make_scheduler
+
+
+def service():
+    sched, _ = make_scheduler(64, block_size=4, max_num_seqs=4)
+    to_detok = []
+    svc = SchedulerService(sched, send_to_client=lambda c, m: None,
+                           send_to_detok=to_detok.append, clock=lambda: 0.0)
+    return sched, svc, transport.Dispatcher("scheduler", svc.handlers()), to_detok
+
+
+def add(dispatch, rid: str, client: bytes) -> None:
+    dispatch.dispatch(messages.AddRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                          sampling=SamplingParams(max_tokens=5),
+                                          arrival_time=0.0), client)
+
+
+def test_a_client_aborts_only_its_own_requests():
+    sched, svc, dispatch, _ = service()
+    add(dispatch, "mine", b"alice")
+    add(dispatch, "theirs", b"bob")
+    dispatch.dispatch(messages.Abort(["theirs", "mine", "nobody"]), b"alice")
+    assert set(sched.requests) == {"theirs"}
+    assert svc.stats()["foreign_aborts"] == 2
+    dispatch.dispatch(messages.Abort(["theirs"]), None)  # the detokenizer's (client gone)
+    assert not sched.requests
+
+
+def test_failed_requests_are_told_through_the_detokenizer_and_forgotten():
+    sched, svc, dispatch, to_detok = service()
+    add(dispatch, "poison", b"alice")
+    sched.abort("poison")
+    svc.fail_requests([("poison", "it crashed the workers twice")])
+    assert isinstance(to_detok[-1], messages.RequestFailed)
+    assert (to_detok[-1].request_id, to_detok[-1].status) == ("poison", 500)
+    assert "poison" not in svc.owners
+    svc.fail_requests([("poison", "again")])  # once only
+    assert sum(isinstance(m, messages.RequestFailed) for m in to_detok) == 1
+
+
+def test_restarts_and_unknown_messages_are_counted_in_stats():
+    _, svc, dispatch, _ = service()
+    svc.count_restart("worker")
+    dispatch.dispatch(messages.UnknownMessage("detokenizer", "Bogus", "no handler"), None)
+    stats = svc.stats()
+    assert stats["restarts"] == {"worker": 1}
+    assert stats["unknown_messages"] == [{"role": "detokenizer", "type": "Bogus", "count": 1}]
