@@ -113,7 +113,7 @@ def openapi_limits(ctx: IngressContext) -> dict[str, tuple[str, int]]:
     """The served model's limits, as the schema keyword that documents each."""
     return {"token_id": ("maximum", ctx.vocab_size - 1), "n": ("maximum", ctx.max_n),
             "max_tokens": ("maximum", ctx.max_model_len - 1),
-            "prompts": ("maxItems", ctx.admission.capacity)}
+            "prompts": ("maxItems", ctx.admission.max_queued_requests)}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -27,10 +27,12 @@ async def create_completion(ctx: IngressContext, request: Request) -> Response:
     check_model_name(req.model, ctx.served_model_names)
     req.check()
     prompts = req.prompts()
-    if len(prompts) > ctx.admission.capacity:  # would be a 503 forever: never admissible
-        raise invalid(f"prompt is a batch of {len(prompts)} prompts, but the engine holds at most "
-                      f"{ctx.admission.capacity} requests (--max-num-seqs + "
-                      "--max-queued-requests)", "prompt")
+    # Each prompt is an engine request, and they all arrive in the scheduler's queue at once: a
+    # batch larger than the queue would be a 503 forever, never admissible.
+    most = ctx.admission.max_queued_requests
+    if len(prompts) > most:
+        raise invalid(f"prompt is a batch of {len(prompts)} prompts, but the engine queues at most "
+                      f"{most} requests (--max-queued-requests)", "prompt")
     requested = req.max_tokens
     params = validated_params(
         lambda: req.sampling_params(max_tokens=requested if requested is not None

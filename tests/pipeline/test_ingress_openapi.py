@@ -64,7 +64,7 @@ def test_ranges_and_the_served_models_limits_are_documented():
     assert branch("temperature", "number") == {"type": "number", "minimum": 0, "maximum": 2}
     token_lists = [b for b in props["prompt"]["anyOf"] if b["type"] == "array"]
     assert token_lists[1]["items"]["maximum"] == 258  # the tiny tokenizer's last id
-    assert token_lists[0]["maxItems"] == 12  # a batch of prompts: at most what the engine holds
+    assert token_lists[0]["maxItems"] == 8  # a batch of prompts: at most what the queue holds
     bias = branch("logit_bias", "object")
     assert bias["additionalProperties"] == {"type": "number", "minimum": -100, "maximum": 100}
 

@@ -89,18 +89,18 @@ def test_local_in_flight_limit_refuses_without_tokenizing():
         assert ctx.tokenizer.calls == calls and len(engine.submitted) == 3
         assert [r.status_code for r in await asyncio.gather(*long)] == [200] * 3
         assert ctx.admission.in_flight == 0
-        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+        r = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
         assert r.status_code == 200
         # one HTTP request with several prompts needs one slot per prompt: refused while
-        # others hold slots; more prompts than the engine can ever hold is a 400 (a retry after
-        # a 503 would fail forever)
-        hold = asyncio.ensure_future(client.post("/v1/completions", json={
-            "prompt": "p", "max_tokens": 40, "ignore_eos": True}))
-        while not engine.running:
+        # others hold slots; a batch larger than the engine's queue, which it reaches at once,
+        # is a 400 (a retry after a 503 would fail forever)
+        hold = [asyncio.ensure_future(client.post("/v1/completions", json={
+            "prompt": f"p{i}", "max_tokens": 40, "ignore_eos": True})) for i in range(2)]
+        while len(engine.running) < 2:
             await asyncio.sleep(0.01)
-        assert_overloaded(await client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))
-        assert (await hold).status_code == 200
-        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"]})
+        assert_overloaded(await client.post("/v1/completions", json={"prompt": ["a", "b"]}))
+        assert [(await h).status_code for h in hold] == [200, 200]
+        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     run(t, max_queued_requests=2, max_num_seqs=1, step_delay=0.01)
 
