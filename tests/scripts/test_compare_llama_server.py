@@ -104,8 +104,28 @@ def test_server_starts_when_healthy_and_stops_on_sigint(tmp_path):
         os.kill(pid, 0)
 
 
-def test_server_that_dies_while_starting_says_where_its_log_is(tmp_path):
-    server = compare.Server("broken", [sys.executable, "-c", "raise SystemExit(3)"], 1,
+def test_server_that_dies_while_starting_shows_its_log(tmp_path):
+    server = compare.Server("broken", [sys.executable, "-c",
+                                       "print('no such model'); raise SystemExit(3)"], 1,
                             tmp_path / "broken.log")
-    with pytest.raises(SystemExit, match="exited with 3 while starting; see .*broken.log"):
+    with pytest.raises(SystemExit, match="(?s)exited with 3 while starting; the end of "
+                                         ".*broken.log:\nno such model"):
         server.start(timeout=30)
+
+
+def test_server_that_had_exited_stops_without_signals(tmp_path):
+    import subprocess
+    server = compare.Server("gone", [], 1, tmp_path / "gone.log")
+    server.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    server.proc.wait()
+    assert server.stop() == "had exited with 3"
+
+
+@pytest.mark.parametrize("usable, flagged", [(False, True), (True, False), (None, False)])
+def test_amx_kernels_are_left_out_where_tiles_do_not_run(monkeypatch, usable, flagged):
+    """GGML_NATIVE compiles ggml's AMX kernels wherever the CPU lists AMX; where the system does
+    not let a process use the tiles, llama-server died of SIGILL at its first matmul."""
+    monkeypatch.setattr(compare, "build_machine", lambda: {"amx_usable": usable})
+    flags = compare.cmake_flags()
+    assert "-DGGML_NATIVE=ON" in flags
+    assert ("-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags) is flagged
