@@ -1,5 +1,6 @@
-"""scripts/compare_llama_server.py's logic without building llama.cpp: the arguments both
-servers get, the summary and ratios, the sdist check, the build cache, start/stop of a server."""
+"""scripts/compare_llama_server.py and llama_server_build.py without building llama.cpp: the
+arguments both servers get, the summary and ratios, the sdist check, the build cache and its AMX
+verdict, start/stop of a server."""
 import json
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import compare_llama_server as compare  # noqa: E402
+import llama_server_build as build  # noqa: E402
 
 
 def args(*argv):
@@ -53,24 +55,24 @@ def test_summary_medians_and_ratios():
 
 def test_sdist_must_vendor_llama_cpp(tmp_path):
     with pytest.raises(SystemExit, match="vendors no llama.cpp"):
-        compare.vendored_source(tmp_path)
+        build.vendored_source(tmp_path)
     tree = tmp_path / "llama.cpp"
     (tree / "tools" / "server").mkdir(parents=True)
     (tree / "CMakeLists.txt").write_text("")
-    assert compare.vendored_source(tmp_path) == tree
+    assert build.vendored_source(tmp_path) == tree
 
 
 def test_cached_binary_is_reused_on_the_cpu_it_was_built_for(tmp_path, monkeypatch):
-    monkeypatch.setattr(compare, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
     folder = tmp_path / "llama.cpp" / "1.0"
     folder.mkdir(parents=True)
-    assert compare.cached_server("1.0") is None
+    assert build.cached_server("1.0") is None
     (folder / "llama-server").write_text("")
-    (folder / "build_info.json").write_text(json.dumps({"machine": compare.build_machine()}))
-    assert compare.cached_server("1.0") == folder / "llama-server"
-    other = {**compare.build_machine(), "cpu_flags": ["avx"]}
+    (folder / "build_info.json").write_text(json.dumps({"machine": build.build_machine()}))
+    assert build.cached_server("1.0") == folder / "llama-server"
+    other = {**build.build_machine(), "cpu_flags": ["avx"]}
     (folder / "build_info.json").write_text(json.dumps({"machine": other}))
-    assert compare.cached_server("1.0") is None
+    assert build.cached_server("1.0") is None
 
 
 FAKE_SERVER = textwrap.dedent("""
@@ -125,7 +127,7 @@ def test_server_that_had_exited_stops_without_signals(tmp_path):
 def test_amx_kernels_are_left_out_where_tiles_do_not_run(monkeypatch, usable, flagged):
     """GGML_NATIVE compiles ggml's AMX kernels wherever the CPU lists AMX; where the system does
     not let a process use the tiles, llama-server died of SIGILL at its first matmul."""
-    monkeypatch.setattr(compare, "build_machine", lambda: {"amx_usable": usable})
-    flags = compare.cmake_flags()
+    monkeypatch.setattr(build, "build_machine", lambda: {"amx_usable": usable})
+    flags = build.cmake_flags()
     assert "-DGGML_NATIVE=ON" in flags
     assert ("-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags) is flagged
