@@ -72,6 +72,7 @@ def build_server(cfg, faults=None) -> _Server:
     from pagedserve.pipeline.client import AsyncEngineClient
     from pagedserve.pipeline.ingress.app import build_app
     from pagedserve.pipeline.ingress.context import IngressContext
+    from pagedserve.pipeline.ingress.limits import uvicorn_settings
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir)
@@ -96,7 +97,7 @@ def build_server(cfg, faults=None) -> _Server:
             return await call_next(request)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, loop="uvloop",
                             access_log=False, log_level="warning", lifespan="on",
-                            timeout_keep_alive=30)
+                            **uvicorn_settings())
     return _Server(config)
 
 

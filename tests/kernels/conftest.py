@@ -19,6 +19,7 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from pagedserve.kernels import native  # noqa: E402  (imports triton: after TRITON_INTERPRET)
+import native_variants  # noqa: E402  (imports pagedserve.kernels too)
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +49,8 @@ def native_variant(request):
     """Each native build variant this machine can build and run, selected for the tests of a
     module (native_variants.PER_VARIANT); one it cannot run skips them with the reason."""
     reason = native.variant_unavailable_reason(request.param)
+    if reason is None and request.param == "native":
+        reason = native_variants.native_duplicates_a_fixed_variant()
     if reason is not None:
         pytest.skip(reason)
     with native.use_variant(request.param):

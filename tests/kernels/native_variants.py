@@ -34,3 +34,16 @@ def expected_vector_lanes(variant: str) -> int:
         flags = native.cpu_flags() if build.machine() == "x86_64" else set()
         return 16 if "avx512f" in flags else 8 if {"avx2", "fma", "f16c"} <= flags else 0
     return {"avx512": 16, "avx2": 8, "portable": 0}[variant]
+
+
+def native_duplicates_a_fixed_variant() -> str | None:
+    """On x86-64 the native build compiles the same vector body as the avx512 or avx2 variant
+    (the sources choose by __AVX512F__ / __AVX2__ alone), so running the tests on both would
+    only repeat them: the reason to skip native, or None where it differs (other machines)."""
+    if build.machine() != "x86_64":
+        return None
+    lanes = expected_vector_lanes("native")
+    twin = {16: "avx512", 8: "avx2", 0: "portable"}[lanes]
+    if native.variant_unavailable_reason(twin) is not None:
+        return None
+    return f"the native build here runs the {twin} variant's body, tested as {twin}"
