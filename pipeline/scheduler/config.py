@@ -28,6 +28,9 @@ class SchedulerConfig:
     # The model's vocabulary: every token id a request carries (prompt, resubmitted outputs,
     # stop ids, logit bias) is checked against it at admission. None: not checked.
     vocab_size: int | None = None
+    # Scheduler.take_finished() reports finished requests (their service keeps them for a
+    # detokenizer re-feed); off, nothing is kept for anyone to take.
+    report_finished: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -64,4 +67,5 @@ class SchedulerConfig:
                    enable_chunked_prefill=s.enable_chunked_prefill,
                    enable_prefix_caching=cfg.cache.enable_prefix_caching,
                    max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
-                   policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None)
+                   policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None,
+                   report_finished=True)

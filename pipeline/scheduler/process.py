@@ -156,6 +156,7 @@ class SchedulerProcess:
                                           block_tables=self.block_tables)
         self.service = SchedulerService(
             scheduler, instance=self.instance,
+            retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,
             send_to_client=lambda cid, msg: transport.send_to_peer(self.frontend, msg, cid),
             send_to_detok=lambda msg: transport.send(self.detok, msg))
         for role, tag in self._early_unknown:

@@ -108,6 +108,9 @@ class Scheduler:
         # trial"), so a second crash names the request that caused it.
         self._suspects: dict[str, RequestState] = {}
         self._on_trial: RequestState | None = None
+        # Requests finished since the service last took them (take_finished): it keeps their
+        # outputs a while, for a detokenizer that died before delivering them.
+        self._finished_requests: list[RequestState] = []
         tables = kv_cache.block_tables  # shared-memory rows the workers may read instead
         self._shared_tables = None if tables is None else SharedTables(
             tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
@@ -220,6 +223,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def take_finished(self) -> list[RequestState]:
+        """The requests that finished since the last call (their sequences keep their tokens)."""
+        done, self._finished_requests = self._finished_requests, []
+        return done
 
     def stats(self) -> SchedulerStats:
         kv = self.kv.stats()
@@ -662,6 +670,8 @@ class Scheduler:
         if req.queued:
             self.num_queued_requests -= 1
         del self.requests[req.request_id]
+        if self.config.report_finished:
+            self._finished_requests.append(req)
         if self._suspects:
             self._suspects.pop(req.request_id, None)
             if self._on_trial is req:

@@ -13,10 +13,13 @@ from operator import attrgetter
 
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, Scheduler
-from pagedserve.pipeline.scheduler.sequence import Request, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Request, RequestState, StepOutputs
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests
+# How long a finished request's outputs are kept for a re-feed: a detokenizer that died (or hung,
+# found by its missing heartbeats) before delivering them gets them again from its successor.
+RETAIN_FINISHED_S = 20.0
 
 
 _INDEX = attrgetter("index")
@@ -27,6 +30,13 @@ class _Owned:
     client_id: bytes
     sampling: object
     num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class _Finished:
+    at: float
+    owner: _Owned
+    state: RequestState
 
 
 class Histogram:
@@ -53,7 +63,8 @@ class Histogram:
 class SchedulerService:
     def __init__(self, scheduler: Scheduler, *, send_to_client: Callable[[bytes, object], None],
                  send_to_detok: Callable[[object], None], clock: Callable[[], float] = time.time,
-                 instance: str = "", client_timeout_s: float = CLIENT_TIMEOUT_S):
+                 instance: str = "", client_timeout_s: float = CLIENT_TIMEOUT_S,
+                 retain_finished_s: float = RETAIN_FINISHED_S):
         self.scheduler = scheduler
         self.send_to_client = send_to_client
         self.send_to_detok = send_to_detok
@@ -61,6 +72,8 @@ class SchedulerService:
         self.instance = instance  # changes when the scheduler restarts: clients resubmit
         self.client_timeout_s = client_timeout_s
         self.owners: dict[str, _Owned] = {}
+        self.retain_finished_s = retain_finished_s
+        self.finished: dict[str, _Finished] = {}  # in finishing order: the oldest first
         self.last_seen: dict[bytes, float] = {}
         self.draining = False
         self.roles_down: dict[str, str] = {}  # role -> cause, while it restarts
@@ -146,6 +159,7 @@ class SchedulerService:
     def on_stop_matched(self, msg: messages.StopMatched) -> None:
         # The detokenizer already told the client; only the scheduler's state must follow.
         outputs = self.scheduler.stop(msg.request_id, "stop", msg.index)
+        self._keep_finished()
         for out in outputs:
             if out.request_finished:
                 self.owners.pop(out.request_id, None)
@@ -182,10 +196,12 @@ class SchedulerService:
         self.on_abort(rids)
 
     def refeed_detokenizer(self) -> None:
-        """A restarted detokenizer knows nothing: reopen every live request and send all of its
+        """A restarted detokenizer knows nothing: reopen every live request, and every one that
+        finished lately (its end may have died with the old detokenizer), and send all of its
         output so far (clients drop what they already have, by offset)."""
-        for rid, owner in self.owners.items():
-            state = self.scheduler.requests.get(rid)
+        live = [(rid, owner, self.scheduler.requests.get(rid)) for rid, owner in self.owners.items()]
+        done = [(rid, f.owner, f.state) for rid, f in self.finished.items()]
+        for rid, owner, state in live + done:
             if state is None:
                 continue
             prompt = state.seqs[0].prompt_token_ids if state.seqs else []
@@ -222,11 +238,29 @@ class SchedulerService:
         self.iteration_tokens.observe(plan.num_tokens)
         self._forward(outputs, plan.step_id)
 
+    def _keep_finished(self) -> None:
+        """Keep the requests that just finished for a while (see RETAIN_FINISHED_S), and let
+        older ones go - unless the detokenizer is down: then everything stays until its
+        successor has been re-fed."""
+        now = self.clock()
+        for state in self.scheduler.take_finished():
+            owner = self.owners.get(state.request_id)
+            if owner is not None:
+                self.finished[state.request_id] = _Finished(now, owner, state)
+        if "detokenizer" in self.roles_down:
+            return
+        while self.finished:
+            rid, oldest = next(iter(self.finished.items()))
+            if now - oldest.at <= self.retain_finished_s:
+                break
+            del self.finished[rid]
+
     def _forward(self, outputs: StepOutputs, step_id: int) -> None:
         """Hand a step's new tokens to the detokenizer: the columns (one token each, nothing
         finished, no logprobs) as columns again, the rest one SampleTokens each. Requests
         whose client is gone are dropped here or, in the columns, by the detokenizer (it
         knows no such request)."""
+        self._keep_finished()
         batch = messages.TokenBatch(step_id, [])
         seqs = outputs.seqs
         if seqs:

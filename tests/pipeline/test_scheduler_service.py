@@ -52,3 +52,26 @@ def test_restarts_and_unknown_messages_are_counted_in_stats():
     stats = svc.stats()
     assert stats["restarts"] == {"worker": 1}
     assert stats["unknown_messages"] == [{"role": "detokenizer", "type": "Bogus", "count": 1}]
+
+
+def test_a_request_that_finished_while_the_detokenizer_was_down_is_refed():
+    """Its last tokens went to a dead detokenizer: the successor gets them all again, or the
+    client would wait forever (found by the chaos soak: short requests finishing while a
+    killed detokenizer restarted)."""
+    from sched_fakes import step as run_step
+    sched, worker = make_scheduler(64, block_size=4, max_num_seqs=4, report_finished=True)
+    to_detok = []
+    svc = SchedulerService(sched, send_to_client=lambda c, m: None,
+                           send_to_detok=to_detok.append, clock=lambda: 0.0)
+    dispatch = transport.Dispatcher("scheduler", svc.handlers())
+    add(dispatch, "short", b"alice")
+    svc.roles_down["detokenizer"] = "was killed by SIGKILL"  # the launcher's RoleDown
+    while sched.has_unfinished():
+        plan = sched.schedule(0.0)
+        svc.on_step_result(plan, worker.execute(plan))
+    to_detok.clear()  # all of that went to the dead detokenizer
+    svc.on_role_restarted("detokenizer")
+    opened = [m for m in to_detok if isinstance(m, messages.DetokOpen)]
+    fed = [s for m in to_detok if isinstance(m, messages.TokenBatch) for s in m.all_samples()]
+    assert [m.request_id for m in opened] == ["short"]
+    assert [(s.request_id, len(s.token_ids), s.finish_reason) for s in fed] == [("short", 5, "length")]
