@@ -4,26 +4,18 @@ dropped mid-request, oversized headers and bodies; then no 5xx, the KV pool back
 request left, and the next request served."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.script_module import load_script
 
 from tests.faults.conftest import Group
 
 pytestmark = pytest.mark.slow
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "fuzz_api.py"
-
-
 def _fuzz_api():
-    spec = importlib.util.spec_from_file_location("fuzz_api", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_api"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz_api")
 
 
 def test_fuzzed_api_no_5xx_pool_back_to_zero_next_request_served(model_dir):

@@ -2,22 +2,15 @@
 nothing is lost, duplicated or changed (scripts/chaos_soak.py runs the long version)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.script_module import load_script
+
 pytestmark = pytest.mark.slow
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "chaos_soak.py"
-
-
 def test_short_chaos_soak_loses_nothing():
-    spec = importlib.util.spec_from_file_location("chaos_soak", _PATH)
-    soak = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_soak"] = soak
-    spec.loader.exec_module(soak)
+    soak = load_script("chaos_soak")
     result = soak.main(["--duration", "40", "--streams", "8", "--interval", "6", "10",
                         "--workload", "16", "--max-tokens", "8", "24", "--tp", "2",
                         "--seed", "3", "--no-store"])

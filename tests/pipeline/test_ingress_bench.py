@@ -1,23 +1,18 @@
 """scripts/bench_serving.py speaks the ingress's streaming API (checked in-process against a
 fake engine) and summarizes what it measured."""
 import asyncio
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.script_module import load_script
+
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.testing import make_test_context
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-spec = importlib.util.spec_from_file_location("bench_serving", _PATH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_serving"] = bench  # dataclasses look their module up while building
-spec.loader.exec_module(bench)
+bench = load_script("bench_serving")
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

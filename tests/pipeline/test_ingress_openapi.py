@@ -1,13 +1,12 @@
 """/openapi.json documents every route, the request bodies as protocol.py parses them, the
 served model's limits and the error responses; schemathesis over it finds nothing (FakeEngine)."""
 import asyncio
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.script_module import load_script
 
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.protocol import (LIMIT_KEY, ChatCompletionRequest,
@@ -80,12 +79,7 @@ def test_bearer_security_on_v1_only_when_the_server_has_a_key():
 
 
 def _fuzz_api():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "fuzz_api.py"
-    spec = importlib.util.spec_from_file_location("fuzz_api", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_api"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz_api")
 
 
 def test_schemathesis_over_every_operation_finds_nothing():

@@ -58,7 +58,6 @@ def test_a_request_that_finished_while_the_detokenizer_was_down_is_refed():
     """Its last tokens went to a dead detokenizer: the successor gets them all again, or the
     client would wait forever (found by the chaos soak: short requests finishing while a
     killed detokenizer restarted)."""
-    from sched_fakes import step as run_step
     sched, worker = make_scheduler(64, block_size=4, max_num_seqs=4, report_finished=True)
     to_detok = []
     svc = SchedulerService(sched, send_to_client=lambda c, m: None,

@@ -1,16 +1,11 @@
 """scripts/bench_throughput.py runs end to end on a few short requests (engine + transformers)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
-spec = importlib.util.spec_from_file_location("bench_throughput", _PATH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_throughput"] = bench  # dataclasses look their module up while building
-spec.loader.exec_module(bench)
+from tests.script_module import load_script
+
+bench = load_script("bench_throughput")
 
 KEYS = {"output_tok_s", "hf_static_output_tok_s", "ratio_vs_hf", "roofline_tok_s",
         "frac_of_roofline", "num_prompts"}
