@@ -11,6 +11,7 @@ from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
 from pagedserve.kvmanager.hashing import BlockHash
 from pagedserve.kvmanager.shm_tables import SharedBlockTables
 from pagedserve.kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
+from pagedserve.kvmanager.window import num_out_of_window, release_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class _SeqBlocks:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of its leading full blocks
     row: int = -1                   # row in the shared block tables, -1 without them
     swapped: bool = False
+    # Leading entries of block_ids released out of the sliding window (kvmanager/window.py):
+    # placeholders, old device ids that hold no reference.
+    num_released: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -43,11 +47,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Block tables of live sequences; every block's refcount equals its table references."""
+    """Block tables of live sequences; every block's refcount equals its references from the
+    tables' live entries (those after a sequence's released, out-of-window placeholders)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0, *,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 block_tables: SharedBlockTables | None = None) -> None:
+                 block_tables: SharedBlockTables | None = None, sliding_window: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_gpu_blocks <= 0:
@@ -56,7 +61,10 @@ class KVCacheManager:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -98,8 +106,18 @@ class KVCacheManager:
         return list(self._seqs)
 
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's block ids in order (host ids while it is swapped out)."""
+        """The sequence's block ids in order (host ids while it is swapped out); the first
+        num_released_blocks are placeholders: device ids it no longer holds."""
         return list(self._seq(seq_id).block_ids)
+
+    def num_released_blocks(self, seq_id: int) -> int:
+        """Leading table entries released out of the sliding window (0 without a window)."""
+        return self._seq(seq_id).num_released
+
+    def window_release_at(self, seq_id: int) -> int:
+        """The num_computed_tokens from which slide_window releases the sequence's next block
+        (window.NO_RELEASE without a window)."""
+        return release_at(self._seq(seq_id).num_released, self.sliding_window, self.block_size)
 
     def num_tokens(self, seq_id: int) -> int:
         """Token slots reserved for the sequence; its table holds cdiv(that, block_size) blocks."""
@@ -154,6 +172,8 @@ class KVCacheManager:
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
                  cache_salt: str | None = None) -> int | None:
         """New sequence takes its cached prefix plus fresh blocks for ``num_new_tokens`` more.
+        Under a sliding window, cached blocks already out of the window of its first step are
+        not taken: their entries are placeholders from the start.
 
         Returns the number of cached tokens, or None with nothing changed if blocks are short.
         """
@@ -164,7 +184,9 @@ class KVCacheManager:
         hashes, cached = prefix_cache.cached_prefix(self, token_ids, cache_salt)
         num_cached_tokens = len(cached) * self.block_size
         num_fresh = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
-        num_revived = sum(1 for block in cached if block.ref_cnt == 0)
+        num_released = num_out_of_window(num_cached_tokens, self.sliding_window, self.block_size)
+        taken = cached[num_released:]
+        num_revived = sum(1 for block in taken if block.ref_cnt == 0)
         self._check_table_width(seq_id, len(cached) + num_fresh)
         if num_fresh + num_revived > self.gpu_pool.num_free_blocks:
             return None
@@ -172,10 +194,11 @@ class KVCacheManager:
             raise RuntimeError(
                 f"cannot allocate seq {seq_id}: all {self.block_tables.max_num_seqs} "
                 f"block-table rows are in use (max_num_seqs)")
-        self.gpu_pool.touch(cached)
+        self.gpu_pool.touch(taken)
         block_ids = [b.block_id for b in cached]
         block_ids.extend(b.block_id for b in self.gpu_pool.allocate(num_fresh))
-        seq = _SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes)
+        seq = _SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes,
+                         num_released=num_released)
         if self.block_tables is not None:
             seq.row = self._free_rows.pop()
             self._write_row(seq)
@@ -282,7 +305,8 @@ class KVCacheManager:
         raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent (one more reference each)."""
+        """The child shares every block the parent holds (one more reference each) and its
+        placeholders."""
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into seq {child_id}: it is already allocated")
@@ -292,9 +316,9 @@ class KVCacheManager:
             raise RuntimeError(f"cannot fork seq {parent_id}: all "
                                f"{self.block_tables.max_num_seqs} block-table rows are in use")
         blocks = self.gpu_pool.blocks
-        self.gpu_pool.touch(blocks[b] for b in parent.block_ids)
+        self.gpu_pool.touch(blocks[b] for b in parent.block_ids[parent.num_released:])
         child = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.cache_salt,
-                           list(parent.block_hashes))
+                           list(parent.block_hashes), num_released=parent.num_released)
         if self.block_tables is not None:
             child.row = self._free_rows.pop()
             self._write_row(child)
@@ -307,13 +331,33 @@ class KVCacheManager:
             raise KeyError(f"cannot free seq {seq_id}: it is not allocated "
                            f"(never allocated or already freed)")
         pool = self.cpu_pool if seq.swapped else self.gpu_pool
-        pool.free(pool.blocks[b] for b in reversed(seq.block_ids))
+        pool.free(pool.blocks[b] for b in reversed(seq.block_ids[seq.num_released:]))
         if seq.row >= 0:
             if self._holding_rows:
                 self._held_rows.append(seq.row)
             else:
                 self.block_tables.array[seq.row].fill(-1)
                 self._free_rows.append(seq.row)
+
+    def slide_window(self, seq_id: int, num_computed_tokens: int) -> list[int]:
+        """Before a step computing from position ``num_computed_tokens``: the blocks wholly
+        before its window go back to the pool, tail first, and their entries become
+        placeholders. Returns their ids in table order ([] without a window)."""
+        seq = self._seq(seq_id)
+        if seq.swapped:
+            raise ValueError(f"seq {seq_id} is swapped out; slide its window before swapping")
+        if num_computed_tokens > len(seq.block_ids) * self.block_size:
+            raise ValueError(f"seq {seq_id}: {num_computed_tokens} computed tokens but its "
+                             f"{len(seq.block_ids)} blocks hold fewer slots")
+        end = num_out_of_window(num_computed_tokens, self.sliding_window, self.block_size)
+        start = seq.num_released
+        if end <= start:
+            return []
+        released = seq.block_ids[start:end]
+        blocks = self.gpu_pool.blocks
+        self.gpu_pool.free(blocks[b] for b in reversed(released))
+        seq.num_released = end
+        return released
 
     def hold_rows(self, holding: bool) -> None:
         """While holding, a freed sequence's shared row keeps its entries and is not reused.
@@ -353,7 +397,20 @@ class KVCacheManager:
 
     def _swap_need(self, seq: _SeqBlocks, to_cpu: bool) -> int:
         src, dst = (self.gpu_pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.gpu_pool)
-        return num_blocks_to_swap(src, dst, seq.block_ids, seq.num_tokens // self.block_size)
+        return num_blocks_to_swap(src, dst, *self._swapped_part(seq))
+
+    def _swapped_part(self, seq: _SeqBlocks) -> tuple[list[int], int]:
+        """The blocks a swap moves (the ones it holds, not the placeholders before them) and
+        how many of those are full."""
+        r = seq.num_released
+        return seq.block_ids[r:], max(0, seq.num_tokens // self.block_size - r)
+
+    def _swap(self, seq: _SeqBlocks, src: BlockPool, dst: BlockPool, what: str
+              ) -> list[tuple[int, int]]:
+        new_ids, mapping = swap_blocks(src, dst, *self._swapped_part(seq), what)
+        seq.block_ids[seq.num_released:] = new_ids
+        seq.swapped = not seq.swapped
+        return mapping
 
     def can_swap_out(self, seq_id: int) -> bool:
         """The host pool has room for the sequence's blocks not already copied there."""
@@ -369,15 +426,13 @@ class KVCacheManager:
         return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
-        """Move the sequence to the host pool; returns (gpu_block, cpu_block) pairs to copy."""
+        """Move the sequence to the host pool; returns (gpu_block, cpu_block) pairs to copy.
+        Placeholders stay as they are (device ids, never swapped)."""
         seq = self._seq(seq_id)
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is already swapped out")
-        new_ids, mapping = swap_blocks(self.gpu_pool, self.cpu_pool, seq.block_ids,
-                                       seq.num_tokens // self.block_size,
-                                       f"swap_out of seq {seq_id} (host pool)")
-        seq.block_ids = new_ids
-        seq.swapped = True
+        mapping = self._swap(seq, self.gpu_pool, self.cpu_pool,
+                             f"swap_out of seq {seq_id} (host pool)")
         if seq.row >= 0:
             self.block_tables.array[seq.row].fill(-1)
         return mapping
@@ -390,13 +445,10 @@ class KVCacheManager:
         seq = self._seq(seq_id)
         if not seq.swapped:
             raise ValueError(f"seq {seq_id} is not swapped out")
-        new_ids, mapping = swap_blocks(self.cpu_pool, self.gpu_pool, seq.block_ids,
-                                       seq.num_tokens // self.block_size,
-                                       f"swap_in of seq {seq_id} (device pool)")
-        seq.block_ids = new_ids
-        seq.swapped = False
-        blocks = self.gpu_pool.blocks
-        for block_id, block_hash in zip(new_ids, seq.block_hashes):
+        mapping = self._swap(seq, self.cpu_pool, self.gpu_pool,
+                             f"swap_in of seq {seq_id} (device pool)")
+        blocks, r = self.gpu_pool.blocks, seq.num_released
+        for block_id, block_hash in zip(seq.block_ids[r:], seq.block_hashes[r:]):
             self.gpu_pool.cache_block(blocks[block_id], block_hash)
         if seq.row >= 0:
             self._write_row(seq)

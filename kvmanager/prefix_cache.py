@@ -63,7 +63,8 @@ def cache_full_blocks(kv: KVCacheManager, seq_id: int, seq: _SeqBlocks,
     pool = kv.gpu_pool
     cache_block, blocks, block_ids = pool.cache_block, pool.blocks, seq.block_ids
     for i, block_hash in enumerate(new_hashes, start):
-        cache_block(blocks[block_ids[i]], block_hash)
+        if i >= seq.num_released:  # a placeholder's id is not this sequence's block any more
+            cache_block(blocks[block_ids[i]], block_hash)
         hashes.append(block_hash)
 
 
@@ -91,7 +92,7 @@ def commit_blocks(kv: KVCacheManager, items: Iterable[tuple[int, Sequence[int], 
         hashes = seq.block_hashes
         start = len(hashes)
         if (num_computed // bs != start + 1 or num_computed > num_tokens
-                or num_computed > len(token_ids)):
+                or num_computed > len(token_ids) or start < seq.num_released):
             # not one new block, or wrong: the general path (and its errors)
             cache_full_blocks(kv, seq_id, seq, token_ids, num_computed)
             continue
