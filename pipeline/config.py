@@ -257,6 +257,9 @@ class ModelInfo:
     max_position_embeddings: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Positions every layer attends back (Mistral's sliding window); 0: none, or only some
+    # layers windowed (Gemma 3). The scheduler then frees blocks that slid out of it.
+    sliding_window: int = 0
 
     @property
     def resolved(self) -> bool:

@@ -382,7 +382,8 @@ def resolve_model(config: EngineConfig) -> None:
     config.model_info = ModelInfo(
         model_dir=model_dir, tokenizer_dir=model_dir, architecture=model.architecture,
         vocab_size=model.vocab_size, max_position_embeddings=model.max_position_embeddings,
-        eos_token_ids=list(model.eos_token_ids), bos_token_id=model.bos_token_id)
+        eos_token_ids=list(model.eos_token_ids), bos_token_id=model.bos_token_id,
+        sliding_window=getattr(model, "sliding_window", 0) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Admission control: refuse at `add` what could never run, or what the queue cannot hold."""
 from __future__ import annotations
 
+from pagedserve.kvmanager.window import max_blocks_per_step
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.sequence import Request, RequestState
 
@@ -68,14 +69,20 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
         raise RequestRejected(rid, f"{len(outputs)} tokens already generated, max_tokens is "
                                    f"{max_output}: nothing left to generate")
     # A sequence must be able to run alone: all its tokens in the pool minus the admission
-    # watermark (n > 1 samples share the prompt and can take turns through preemption).
-    bs = config.block_size
-    blocks_needed = -(-(num_prompt + max_output) // bs)
+    # watermark (n > 1 samples share the prompt and can take turns through preemption); under
+    # a sliding window, only its window and one step's chunk.
+    bs, window = config.block_size, config.sliding_window
+    total = num_prompt + max_output
+    max_chunk = min(total, config.max_num_batched_tokens) if config.enable_chunked_prefill \
+        else total
+    blocks_needed = max_blocks_per_step(total, max_chunk, window, bs)
     usable = num_gpu_blocks - num_watermark_blocks
     if blocks_needed > usable:
+        within = f" (a sliding window of {window} and chunks of up to {max_chunk})" \
+            if window and blocks_needed < -(-total // bs) else ""
         raise RequestRejected(
             rid, f"prompt ({num_prompt}) + max_tokens ({max_output}) needs {blocks_needed} blocks "
-                 f"of {bs} tokens but the KV cache has only {usable} usable blocks "
+                 f"of {bs} tokens{within} but the KV cache has only {usable} usable blocks "
                  f"({num_gpu_blocks} minus {num_watermark_blocks} kept free by the watermark)")
     if num_queued >= config.max_queued_requests:
         raise QueueFull(rid, f"waiting queue is full: {num_queued} requests queued, "

@@ -31,6 +31,10 @@ class SchedulerConfig:
     # Scheduler.take_finished() reports finished requests (their service keeps them for a
     # detokenizer re-feed); off, nothing is kept for anyone to take.
     report_finished: bool = False
+    # The model's sliding window when every layer attends only that many positions back
+    # (Mistral): blocks that slid out of it are released while a sequence runs, and a request
+    # needs room for its window, not its length. 0: no window (or some global layers).
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -43,6 +47,10 @@ class SchedulerConfig:
                              f"got {self.preemption_mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
+                or self.sliding_window < 0):
+            raise ValueError(f"sliding_window must be an integer >= 0 (0: none), got "
+                             f"{self.sliding_window!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.swap_threshold_tokens is not None and self.swap_threshold_tokens < 0:
@@ -68,4 +76,4 @@ class SchedulerConfig:
                    enable_prefix_caching=cfg.cache.enable_prefix_caching,
                    max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
                    policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None,
-                   report_finished=True)
+                   report_finished=True, sliding_window=cfg.model_info.sliding_window)

@@ -73,6 +73,10 @@ class Scheduler:
         if kv_cache.block_size != config.block_size:
             raise ValueError(f"block_size mismatch: scheduler config has {config.block_size}, "
                              f"the KV cache manager {kv_cache.block_size}")
+        if getattr(kv_cache, "sliding_window", 0) != config.sliding_window:
+            raise ValueError(f"sliding_window mismatch: scheduler config has "
+                             f"{config.sliding_window}, the KV cache manager "
+                             f"{getattr(kv_cache, 'sliding_window', 0)}")
         self.config = config
         self.kv = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -81,6 +85,9 @@ class Scheduler:
         self.policy = make_policy(config.policy)
         self.preemption = PreemptionChooser(config.preemption_mode, config.swap_threshold_tokens)
         self.block_size = config.block_size
+        # Every layer attends only this many positions back: blocks that slid out of it are
+        # released before each step that no longer reads them (kvmanager/window.py).
+        self.sliding_window = config.sliding_window
         self.num_watermark_blocks = getattr(kv_cache, "watermark_blocks",
                                             int(config.watermark * kv_cache.num_gpu_blocks))
         self.requests: dict[str, RequestState] = {}
@@ -122,7 +129,8 @@ class Scheduler:
         from pagedserve.kvmanager import KVCacheManager
         kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            watermark=config.watermark, block_tables=block_tables)
+                            watermark=config.watermark, block_tables=block_tables,
+                            sliding_window=config.sliding_window)
         return cls(config, kv, eos_token_ids)
 
     # ------------------------------------------------------------------ requests in and out
@@ -312,6 +320,8 @@ class Scheduler:
         catching up, a resend, a copy-on-write, preemptions) takes the general path."""
         if seq.status is not RUNNING:
             return False  # finished or preempted since
+        if self.sliding_window:  # its lane_cap ends where its next block slides out
+            self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
         n = len(seq.token_ids)
         if (not self.config.decode_lanes or seq.num_computed_tokens + 1 != n
                 or seq.num_reserved_tokens >= n or seq.needs_full_send or b.budget <= 0):
@@ -336,7 +346,7 @@ class Scheduler:
             return False
         seq.num_tokens_sent = n  # a lane that opens a new block: on with the lanes
         b.add_lane_blocks(new_blocks)
-        seq.lane_cap = lane_cap(seq, bs)
+        seq.lane_cap = self._lane_cap(seq)
         return True
 
     def _schedule_general(self, seq: Sequence, b: PlanBuilder, keep) -> None:
@@ -352,6 +362,8 @@ class Scheduler:
         for seq in self.prefilling:
             if seq.status is not RUNNING:
                 continue
+            if self.sliding_window:
+                self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
             if chunk and (chunk == remaining or self.config.enable_chunked_prefill) \
@@ -480,7 +492,16 @@ class Scheduler:
             return
         if not seq.request.forked:
             self._fork_samples(seq, b)
-        seq.lane_cap = lane_cap(seq, self.block_size) if self.config.decode_lanes else -1
+        seq.lane_cap = self._lane_cap(seq) if self.config.decode_lanes else -1
+
+    def _lane_cap(self, seq: Sequence) -> int:
+        """lane_cap, and under a sliding window no further than the step (at
+        num_computed_tokens = len(token_ids) - 1) that releases its next block: that one takes
+        the general path, which slides the window first."""
+        cap = lane_cap(seq, self.block_size)
+        if self.sliding_window:
+            cap = min(cap, self.kv.window_release_at(seq.seq_id))
+        return cap
 
     def _fork_samples(self, parent: Sequence, b: PlanBuilder) -> None:
         """The step that completes the parent's prompt: its n - 1 siblings share every block
@@ -537,6 +558,8 @@ class Scheduler:
         """Push a running sequence out: to the host pool or back to the waiting queue."""
         kv = self.kv
         sync_kv(seq, self.kv)
+        if self.sliding_window:  # only the blocks its next step reads are worth swapping
+            kv.slide_window(seq.seq_id, seq.num_computed_tokens)
         can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
         self.num_preemptions += 1
         self._remove_running(seq)

@@ -48,6 +48,6 @@ def can_swap_in(seq: Sequence, chunk: int, kv, num_watermark_blocks: int) -> boo
     if not kv.can_swap_in(seq.seq_id):
         return False
     bs = kv.block_size
-    held = -(-seq.num_reserved_tokens // bs)
+    held = -(-seq.num_reserved_tokens // bs) - kv.num_released_blocks(seq.seq_id)
     more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - held)
     return kv.num_free_blocks - held - more >= num_watermark_blocks

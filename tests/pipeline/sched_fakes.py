@@ -5,6 +5,10 @@ pool whose slots hold the token id computed there, applies swaps and copies to i
 from the history it reads back out of the pool. The next token is a deterministic function of
 (seq_id, full token history), so a wrong diff, block id, copy, swap or prefix-cache hit shows up
 either as an AssertionError here or as different tokens from the reference `expected_tokens`.
+
+With a sliding window W the fake model reads only the last W positions (and the position
+itself), as a windowed model's attention does: the blocks before the window may have been
+released and reused, and every block table entry must still be a valid block id.
 """
 from __future__ import annotations
 
@@ -18,12 +22,20 @@ def next_token(salt: int, history: list[int], vocab: int) -> int:
     return zlib.crc32(array("q", history).tobytes(), salt) % vocab
 
 
+def window_next_token(salt: int, history: list[int], vocab: int, window: int) -> int:
+    """The fake model's next token: of the whole history, or of the last `window` tokens and
+    the position under a sliding window."""
+    if not window:
+        return next_token(salt, history, vocab)
+    return next_token(salt, [len(history)] + history[-window:], vocab)
+
+
 def expected_tokens(prompt: list[int], num_tokens: int, vocab: int, salt: int = 0,
-                    stop_ids=(), min_tokens: int = 0) -> list[int]:
+                    stop_ids=(), min_tokens: int = 0, window: int = 0) -> list[int]:
     """What a sequence generates when nothing goes wrong (stops at a stop id after min_tokens)."""
     history, out = list(prompt), []
     while len(out) < num_tokens:
-        tok = next_token(salt, history, vocab)
+        tok = window_next_token(salt, history, vocab, window)
         history.append(tok)
         out.append(tok)
         if tok in stop_ids and len(out) >= min_tokens:
@@ -40,9 +52,10 @@ class _SeqState:
 
 class FakeWorker:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab: int = 1000, salt_of=None) -> None:
+                 vocab: int = 1000, salt_of=None, window: int = 0) -> None:
         self.bs = block_size
         self.vocab = vocab
+        self.window = window
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.seqs: dict[int, _SeqState] = {}
@@ -92,14 +105,17 @@ class FakeWorker:
         return StepResult(plan.step_id, seq_ids, token_ids, None, None)
 
     def _sample(self, seq_id: int, st: _SeqState) -> int:
-        history = [self.gpu[st.table[p // self.bs]][p % self.bs] for p in range(st.num_computed)]
-        assert history == st.tokens[:st.num_computed], (
-            f"seq {seq_id}: the KV cache holds {history} but its tokens are "
-            f"{st.tokens[:st.num_computed]}")
-        self.sampled_positions.append((seq_id, len(history)))
+        n = st.num_computed
+        assert all(0 <= b < len(self.gpu) for b in st.table), f"seq {seq_id}: table {st.table}"
+        first = max(0, n - self.window) if self.window else 0
+        seen = [self.gpu[st.table[p // self.bs]][p % self.bs] for p in range(first, n)]
+        assert seen == st.tokens[first:n], (
+            f"seq {seq_id}: the KV cache holds {seen} at positions {first}.. but its tokens are "
+            f"{st.tokens[first:n]}")
+        self.sampled_positions.append((seq_id, n))
         if self.script.get(seq_id):
             return self.script[seq_id].pop(0)
-        return next_token(st.salt, history, self.vocab)
+        return window_next_token(st.salt, st.tokens[:n], self.vocab, self.window)
 
 
 def drive(sched, worker, *, now: float = 0.0, max_steps: int = 10_000, check=None,
@@ -137,7 +153,8 @@ def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, *, eos=(), voca
     config.setdefault("watermark", 0.0)
     cfg = SchedulerConfig(**config)
     sched = Scheduler.from_config(cfg, num_gpu_blocks, num_cpu_blocks, eos_token_ids=eos)
-    worker = FakeWorker(num_gpu_blocks, num_cpu_blocks, cfg.block_size, vocab, salt_of)
+    worker = FakeWorker(num_gpu_blocks, num_cpu_blocks, cfg.block_size, vocab, salt_of,
+                        window=cfg.sliding_window)
     return sched, worker
 
 

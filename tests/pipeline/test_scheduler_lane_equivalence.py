@@ -52,7 +52,8 @@ def run_both(cfg, specs, logprob_every: int, stop_every: int):
         max_num_batched_tokens=budget, enable_chunked_prefill=cfg["enable_chunked_prefill"],
         enable_prefix_caching=cfg["enable_prefix_caching"], policy=cfg["policy"],
         preemption_mode=cfg["preemption_mode"], swap_threshold_tokens=cfg["swap_threshold_tokens"],
-        watermark=cfg["watermark"], max_queued_requests=10, decode_lanes=lanes)
+        watermark=cfg["watermark"], max_queued_requests=10, decode_lanes=lanes,
+        sliding_window=cfg.get("sliding_window", 0))
         for lanes in (True, False)]
     arrivals, aborts = {}, {}
     for i, spec in enumerate(specs):
@@ -123,6 +124,30 @@ _FREE_ORDER_SPECS = [_spec(14, 13, 4, prefix=1), _spec(0, 1, 1), _spec(0, 1, 1),
 def test_lanes_and_the_general_path_give_the_same_steps(cfg, specs, logprob_every, stop_every):
     lanes_on, lanes_off = run_both(cfg, specs, logprob_every, stop_every)
     assert lanes_off == 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, window=st.sampled_from([1, 4, 6, 9]),
+       specs=st.lists(request_st, min_size=1, max_size=14),
+       logprob_every=st.sampled_from([0, 0, 3]), stop_every=st.sampled_from([0, 0, 4]))
+def test_lanes_and_the_general_path_agree_under_a_sliding_window(cfg, window, specs,
+                                                                 logprob_every, stop_every):
+    """Blocks sliding out of the window are released at the same point of the order either way
+    (a lane ends where its next block slides out)."""
+    lanes_on, lanes_off = run_both({**cfg, "sliding_window": window}, specs, logprob_every,
+                                   stop_every)
+    assert lanes_off == 0
+
+
+def test_a_steady_windowed_workload_does_use_the_lanes():
+    cfg = dict(num_gpu_blocks=16, num_cpu_blocks=8, max_num_seqs=4, extra_budget=8,
+               enable_chunked_prefill=True, enable_prefix_caching=True, policy="fcfs",
+               preemption_mode="auto", swap_threshold_tokens=None, watermark=0.0,
+               sliding_window=6)
+    specs = [dict(arrival=i, prefix=i % 2, prompt_len=5 + i, max_tokens=12, min_tokens=0,
+                  ignore_eos=True, priority=0, n=1 + (i == 2), abort_at=None) for i in range(5)]
+    lanes_on, lanes_off = run_both(cfg, specs, logprob_every=0, stop_every=0)
+    assert lanes_on > 20 and lanes_off == 0
 
 
 def test_a_steady_workload_does_use_the_lanes():
