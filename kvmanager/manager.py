@@ -3,43 +3,19 @@ with prefix caching, copy-on-write, fork and swapping to a host pool."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from pagedserve.kvmanager import prefix_cache
 from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
-from pagedserve.kvmanager.hashing import BlockHash
+from pagedserve.kvmanager.seq_blocks import KVStats, SeqBlocks
 from pagedserve.kvmanager.shm_tables import SharedBlockTables
-from pagedserve.kvmanager.swap import link_pools, num_blocks_to_swap, swap_blocks
+from pagedserve.kvmanager.swap import (
+    link_pools,
+    live_part,
+    num_blocks_to_swap,
+    swap_seq,
+)
 from pagedserve.kvmanager.window import num_out_of_window, release_at
-
-
-@dataclass(frozen=True, slots=True)
-class KVStats:
-    gpu_blocks_used: int
-    gpu_blocks_total: int
-    cpu_blocks_used: int
-    cpu_blocks_total: int
-    usage: float                # gpu_blocks_used / gpu_blocks_total
-    prefix_queries: int         # prompt tokens looked up by successful allocations
-    prefix_hits: int            # of those, tokens served from the prefix cache
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-
-@dataclass(slots=True)
-class _SeqBlocks:
-    block_ids: list[int]            # device ids, or host ids while swapped
-    num_tokens: int                 # slots reserved
-    cache_salt: str | None
-    block_hashes: list[BlockHash] = field(default_factory=list)  # of its leading full blocks
-    row: int = -1                   # row in the shared block tables, -1 without them
-    swapped: bool = False
-    # Leading entries of block_ids released out of the sliding window (kvmanager/window.py):
-    # placeholders, old device ids that hold no reference.
-    num_released: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,7 +57,7 @@ class KVCacheManager:
             if not block_tables.is_owner:
                 raise ValueError("the manager must own its shared block tables, not attach them")
             self._free_rows = list(range(block_tables.max_num_seqs - 1, -1, -1))
-        self._seqs: dict[int, _SeqBlocks] = {}
+        self._seqs: dict[int, SeqBlocks] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -197,7 +173,7 @@ class KVCacheManager:
         self.gpu_pool.touch(taken)
         block_ids = [b.block_id for b in cached]
         block_ids.extend(b.block_id for b in self.gpu_pool.allocate(num_fresh))
-        seq = _SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes,
+        seq = SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes,
                          num_released=num_released)
         if self.block_tables is not None:
             seq.row = self._free_rows.pop()
@@ -216,7 +192,7 @@ class KVCacheManager:
     def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
         return self.num_blocks_to_append(seq_id, num_new_tokens) <= self.gpu_pool.num_free_blocks
 
-    def _append_need(self, seq: _SeqBlocks, num_new_tokens: int) -> tuple[int, bool]:
+    def _append_need(self, seq: SeqBlocks, num_new_tokens: int) -> tuple[int, bool]:
         bs = self.block_size
         n = seq.num_tokens
         num_new_blocks = _cdiv(n + num_new_tokens, bs) - len(seq.block_ids)
@@ -297,7 +273,7 @@ class KVCacheManager:
                 self.block_tables.array[seq.row, num_blocks:num_blocks + num_new] = new_ids
         return new_ids
 
-    def _reject_append(self, seq_id: int, seq: _SeqBlocks | None, num_new_tokens: int):
+    def _reject_append(self, seq_id: int, seq: SeqBlocks | None, num_new_tokens: int):
         if seq is None:
             raise KeyError(f"seq {seq_id} is not allocated (never allocated or already freed)")
         if seq.swapped:
@@ -317,7 +293,7 @@ class KVCacheManager:
                                f"{self.block_tables.max_num_seqs} block-table rows are in use")
         blocks = self.gpu_pool.blocks
         self.gpu_pool.touch(blocks[b] for b in parent.block_ids[parent.num_released:])
-        child = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.cache_salt,
+        child = SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.cache_salt,
                            list(parent.block_hashes), num_released=parent.num_released)
         if self.block_tables is not None:
             child.row = self._free_rows.pop()
@@ -395,22 +371,9 @@ class KVCacheManager:
 
     # ---- swapping --------------------------------------------------------------------------
 
-    def _swap_need(self, seq: _SeqBlocks, to_cpu: bool) -> int:
+    def _swap_need(self, seq: SeqBlocks, to_cpu: bool) -> int:
         src, dst = (self.gpu_pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.gpu_pool)
-        return num_blocks_to_swap(src, dst, *self._swapped_part(seq))
-
-    def _swapped_part(self, seq: _SeqBlocks) -> tuple[list[int], int]:
-        """The blocks a swap moves (the ones it holds, not the placeholders before them) and
-        how many of those are full."""
-        r = seq.num_released
-        return seq.block_ids[r:], max(0, seq.num_tokens // self.block_size - r)
-
-    def _swap(self, seq: _SeqBlocks, src: BlockPool, dst: BlockPool, what: str
-              ) -> list[tuple[int, int]]:
-        new_ids, mapping = swap_blocks(src, dst, *self._swapped_part(seq), what)
-        seq.block_ids[seq.num_released:] = new_ids
-        seq.swapped = not seq.swapped
-        return mapping
+        return num_blocks_to_swap(src, dst, *live_part(seq, self.block_size))
 
     def can_swap_out(self, seq_id: int) -> bool:
         """The host pool has room for the sequence's blocks not already copied there."""
@@ -431,8 +394,8 @@ class KVCacheManager:
         seq = self._seq(seq_id)
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is already swapped out")
-        mapping = self._swap(seq, self.gpu_pool, self.cpu_pool,
-                             f"swap_out of seq {seq_id} (host pool)")
+        mapping = swap_seq(seq, self.gpu_pool, self.cpu_pool, self.block_size,
+                           f"swap_out of seq {seq_id} (host pool)")
         if seq.row >= 0:
             self.block_tables.array[seq.row].fill(-1)
         return mapping
@@ -445,8 +408,8 @@ class KVCacheManager:
         seq = self._seq(seq_id)
         if not seq.swapped:
             raise ValueError(f"seq {seq_id} is not swapped out")
-        mapping = self._swap(seq, self.cpu_pool, self.gpu_pool,
-                             f"swap_in of seq {seq_id} (device pool)")
+        mapping = swap_seq(seq, self.cpu_pool, self.gpu_pool, self.block_size,
+                           f"swap_in of seq {seq_id} (device pool)")
         blocks, r = self.gpu_pool.blocks, seq.num_released
         for block_id, block_hash in zip(seq.block_ids[r:], seq.block_hashes[r:]):
             self.gpu_pool.cache_block(blocks[block_id], block_hash)
@@ -456,7 +419,7 @@ class KVCacheManager:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _seq(self, seq_id: int) -> _SeqBlocks:
+    def _seq(self, seq_id: int) -> SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"seq {seq_id} is not allocated (never allocated or already freed)")
@@ -468,7 +431,7 @@ class KVCacheManager:
                 f"seq {seq_id} would need {num_blocks} blocks but the shared block tables "
                 f"hold at most {self.block_tables.max_blocks_per_seq} per sequence")
 
-    def _write_row(self, seq: _SeqBlocks) -> None:
+    def _write_row(self, seq: SeqBlocks) -> None:
         row = self.block_tables.array[seq.row]
         n = len(seq.block_ids)
         row[:n] = seq.block_ids

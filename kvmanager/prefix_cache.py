@@ -2,7 +2,7 @@
 blocks findable by their hash once they are full and computed.
 
 KVCacheManager delegates to these functions, which take the manager and work on its device pool
-and its per-sequence records (manager._SeqBlocks).
+and its per-sequence records (seq_blocks.SeqBlocks).
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ from hashlib import sha256
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from pagedserve.kvmanager.block_pool import Block
-from pagedserve.kvmanager.hashing import (BlockHash, hash_block_tokens, hash_full_blocks, salt_key,
-                               token_packer)
+from pagedserve.kvmanager.hashing import (
+    BlockHash,
+    hash_block_tokens,
+    hash_full_blocks,
+    salt_key,
+    token_packer,
+)
 
 if TYPE_CHECKING:
-    from pagedserve.kvmanager.manager import KVCacheManager, _SeqBlocks
+    from pagedserve.kvmanager.manager import KVCacheManager
+    from pagedserve.kvmanager.seq_blocks import SeqBlocks
 
 
 def cached_prefix(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str | None
@@ -40,7 +46,7 @@ def cached_prefix(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str 
     return hashes, blocks
 
 
-def cache_full_blocks(kv: KVCacheManager, seq_id: int, seq: _SeqBlocks,
+def cache_full_blocks(kv: KVCacheManager, seq_id: int, seq: SeqBlocks,
                       token_ids: Sequence[int], num_computed_tokens: int) -> None:
     """Full blocks among the sequence's first ``num_computed_tokens`` become findable."""
     if seq.swapped:

@@ -8,7 +8,12 @@ one copy, and swapping a block back whose old copy is intact costs no copy at al
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
+
+if TYPE_CHECKING:
+    from pagedserve.kvmanager.seq_blocks import SeqBlocks
 
 
 def link_pools(gpu_pool: BlockPool, cpu_pool: BlockPool) -> None:
@@ -73,3 +78,20 @@ def swap_blocks(src_pool: BlockPool, dst_pool: BlockPool, block_ids: list[int],
             dst.swap_copy = src_id
     src_pool.free(src_pool.blocks[b] for b in reversed(block_ids))
     return new_ids, mapping
+
+
+def live_part(seq: SeqBlocks, block_size: int) -> tuple[list[int], int]:
+    """The blocks a swap of `seq` moves (those it holds, not the placeholders of blocks
+    released out of a sliding window before them) and how many of those are full."""
+    r = seq.num_released
+    return seq.block_ids[r:], max(0, seq.num_tokens // block_size - r)
+
+
+def swap_seq(seq: SeqBlocks, src_pool: BlockPool, dst_pool: BlockPool, block_size: int,
+             what: str) -> list[tuple[int, int]]:
+    """Move `seq`'s live blocks to the other pool (swap_blocks); placeholders stay as they are
+    (device ids). Returns the (src, dst) pairs to copy."""
+    new_ids, mapping = swap_blocks(src_pool, dst_pool, *live_part(seq, block_size), what)
+    seq.block_ids[seq.num_released:] = new_ids
+    seq.swapped = not seq.swapped
+    return mapping

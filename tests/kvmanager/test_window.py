@@ -1,9 +1,12 @@
 """Sliding window: block size 4, window 8, a pool of a few blocks, exact block ids."""
 
 import pytest
-
 from pagedserve.kvmanager import KVCacheManager
-from pagedserve.kvmanager.window import NO_RELEASE, max_blocks_per_step, num_out_of_window
+from pagedserve.kvmanager.window import (
+    NO_RELEASE,
+    max_blocks_per_step,
+    num_out_of_window,
+)
 
 
 def free_ids(m):

@@ -5,7 +5,6 @@ worker reads only the window, and checks what it reads)."""
 from __future__ import annotations
 
 import pytest
-
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import RequestRejected
 from pagedserve.pipeline.scheduler.sequence import Request, SequenceStatus
@@ -86,7 +85,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_window():
     prompt = list(range(10, 40))  # 30 tokens, chunks of 8
     sched, worker = _windowed(6)
     sched.add(Request("r", prompt, _params(max_tokens=12)))
-    check, peaks = _peak_check(5)  # 7 keys before a chunk of 8: at most 5 blocks
+    check, _ = _peak_check(5)  # 7 keys before a chunk of 8: at most 5 blocks
     tokens, _, plans = drive(sched, worker, check=check)
     assert [s.num_tokens for s in plans[1].seq_steps()] == [8]
     assert tokens["r"][0] == expected_tokens(prompt, 12, worker.vocab, window=W)
@@ -130,7 +129,7 @@ def test_forked_samples_release_their_shared_blocks_independently():
                                    max_num_batched_tokens=8, max_num_seqs=4,
                                    salt_of=lambda sid: sid)
     sched.add(Request("r", PROMPT, _params(n=2)))
-    check, peaks = _peak_check(2 * (W // BS + 2))
+    check, _ = _peak_check(2 * (W // BS + 2))
     tokens, _, plans = drive(sched, worker, check=check)
     for index in (0, 1):
         assert tokens["r"][index] == expected_tokens(PROMPT, LONG, worker.vocab, salt=index,
@@ -168,4 +167,5 @@ def test_a_prefix_hit_takes_only_the_window_of_a_cached_prompt():
     assert sched.kv.num_released_blocks(new.seq_id) == 2
     assert sched.kv.stats().gpu_blocks_used == 3
     tokens, _, _ = drive(sched, worker)
+    assert tokens["b"][0] == expected_tokens(prompt, 2, worker.vocab, window=W)[1:]
     assert sched.kv.stats().gpu_blocks_used == 0
