@@ -62,19 +62,19 @@ def use_triton(tensor: torch.Tensor) -> bool:
 _native_warned = False
 
 
-def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
     """The native CPU kernel where it can run, else the bucketed torch path (warned once)."""
     global _native_warned
     if _native_decode.supports(q, k_cache):
         return _native_decode.paged_decode_attention_native(q, k_cache, v_cache, block_tables,
-                                                            context_lens, scale)
+                                                            context_lens, scale, window)
     reason = _native_decode.native.unavailable_reason(_native_decode.FEATURE)
     if reason and not _native_warned:
         _native_warned = True
         warnings.warn(f"{reason}; decode attention falls back to the torch path",
                       RuntimeWarning, stacklevel=3)
     return _cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables,
-                                                  context_lens, scale)
+                                                  context_lens, scale, window)
 
 
 # PAGEDSERVE_DECODE_CPU -> the decode attention of tensors that do not take Triton
@@ -107,23 +107,26 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1."""
+                           scale: float, window: int = 0) -> torch.Tensor:
+    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1; with a
+    sliding window > 0 only the last `window` of them (blocks before those are never read)."""
     if use_triton(q):
         return _decode.paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
-                                                     context_lens, scale)
-    return cpu_decode_kernel()(q, k_cache, v_cache, block_tables, context_lens, scale)
+                                                     context_lens, scale, window)
+    return cpu_decode_kernel()(q, k_cache, v_cache, block_tables, context_lens, scale, window)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """out[T, Hq, D]: each sequence's query chunk, causally, against its cached prefix + itself."""
+                            context_lens: torch.Tensor, scale: float,
+                            window: int = 0) -> torch.Tensor:
+    """out[T, Hq, D]: each sequence's query chunk, causally, against its cached prefix + itself;
+    with a sliding window > 0 a row at position p sees keys p - window < j <= p only."""
     if use_triton(q):
         return _prefill.paged_prefill_attention_triton(q, k_cache, v_cache, block_tables,
-                                                       cu_seqlens_q, context_lens, scale)
+                                                       cu_seqlens_q, context_lens, scale, window)
     return _prefill.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                context_lens, scale)
+                                                context_lens, scale, window)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from .paged_decode_attention import _check_decode, gather_pages
+from .paged_decode_attention import _check_decode, gather_pages, window_tables
 
 # A bucket holds the sequences whose block count is in (BUCKET_RATIO * top, top]; at most
 # MAX_BUCKETS buckets, the last takes the rest. Padding is then under ~1/3 of the work.
@@ -52,8 +52,9 @@ def bucket_bounds(blocks_desc: list[int], ratio: float = BUCKET_RATIO,
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """paged_decode_attention_ref's result, computed per bucket of similar context lengths.
+                               scale: float, window: int = 0) -> torch.Tensor:
+    """paged_decode_attention_ref's result, computed per bucket of similar context lengths
+    (with a window: of similar spans from each row's first visible block).
 
     Every op here is one OpenMP region; on shared cores each costs ~1 ms of barrier waiting
     whatever its size, so the per-bucket work is kept to gather K, gather V and one SDPA.
@@ -63,23 +64,34 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_seqs == 0:
         return q.new_empty(q.shape)
     block_size = k_cache.shape[1]
+    first = None
+    if window > 0:
+        block_tables, first, context_lens = window_tables(block_tables, context_lens,
+                                                          block_size, window)
     lens_desc, order = torch.sort(context_lens, descending=True, stable=True)
     blocks_desc = [-(-n // block_size) for n in lens_desc.tolist()]
     bounds = bucket_bounds(blocks_desc)
     if len(bounds) > 1:
         q, block_tables, context_lens = q[order], block_tables[order], lens_desc
-    # Additive mask (SDPA turns a bool mask into this on every call).
+        first = None if first is None else first[order]
     positions = torch.arange(blocks_desc[0] * block_size, device=q.device)
-    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
-        positions[None, :] >= context_lens[:, None], float("-inf"))
+    hidden = positions[None, :] >= context_lens[:, None]
+    if first is not None:
+        hidden |= positions[None, :] < first[:, None]
+    # Additive mask (SDPA turns a bool mask into this on every call).
+    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
     outputs = []
     for start, end in bounds:
         rows, num_blocks = end - start, blocks_desc[start]
         tables = block_tables[start:end]
-        keys = gather_pages(k_cache, tables, num_blocks, "decode_k").to(q.dtype).transpose(1, 2)
-        values = gather_pages(v_cache, tables, num_blocks, "decode_v").to(q.dtype).transpose(1, 2)
+        keys = gather_pages(k_cache, tables, num_blocks, "decode_k").to(q.dtype)
+        values = gather_pages(v_cache, tables, num_blocks, "decode_v").to(q.dtype)
+        if first is not None:   # padding may hold anything (even NaN): zero, not just mask
+            zero = hidden[start:end, :num_blocks * block_size, None, None]
+            keys, values = keys.masked_fill(zero, 0), values.masked_fill(zero, 0)
         outputs.append(F.scaled_dot_product_attention(
-            q[start:end].view(rows, num_q_heads, 1, head_dim), keys, values,
+            q[start:end].view(rows, num_q_heads, 1, head_dim), keys.transpose(1, 2),
+            values.transpose(1, 2),
             attn_mask=mask[start:end, :num_blocks * block_size].view(rows, 1, 1, -1),
             scale=scale, enable_gqa=True))
     out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -92,8 +92,9 @@ def vector_lanes() -> int:
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
-    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1."""
+                                  scale: float, window: int = 0) -> torch.Tensor:
+    """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1, or
+    with a window > 0 its last `window` of them (blocks before those are never read)."""
     num_seqs, num_q_heads, num_kv_heads, head_dim = _check_decode(q, k_cache, v_cache,
                                                                   block_tables, context_lens)
     if k_cache.dtype not in _FUNCTIONS:
@@ -117,6 +118,8 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_size = k_cache.shape[1]
     threads = _thread_count()
     max_context = int(context_lens.max())
+    if window > 0:      # the keys a task walks start at the block of the window's first
+        max_context = min(max_context, window + block_size - 1)
     part_tokens = max(1, PART_TOKENS // block_size) * block_size
     if num_seqs < 2 * threads:
         # Few sequences (the tail of a batch, one interactive stream): cut them finer so that
@@ -132,8 +135,8 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[0],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-        ctypes.c_float(scale), part_tokens, max(max_parts, 1), workspace.data_ptr(),
-        threads)
+        ctypes.c_float(scale), max(window, 0), part_tokens, max(max_parts, 1),
+        workspace.data_ptr(), threads)
     if status != 0:
         raise ValueError(f"paged_decode_attention_native: {_ERRORS.get(status, status)}")
     return out.to(q.dtype)

@@ -1,7 +1,9 @@
 """Decode attention over a paged KV cache: one query token per sequence.
 
-Sequence b's query sits at position context_lens[b] - 1 and attends to keys
-0 .. context_lens[b] - 1, which are already stored in the blocks block_tables[b, :]. GQA: query
+Sequence b's query sits at position p = context_lens[b] - 1 and attends to keys
+0 .. context_lens[b] - 1, which are already stored in the blocks block_tables[b, :]; with a sliding
+`window` > 0 only to keys p - window < j <= p, and blocks wholly before p - window + 1 are never
+read (the scheduler may have freed them: their table entries can name any block). GQA: query
 head h reads kv head h // (Hq // Hkv). The cache may be narrower than q (kernels/kv_format.py):
 its elements are widened to q's dtype as they are read.
 """
@@ -49,27 +51,60 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
     return out.view(rows, num_blocks * block_size, num_kv_heads, head_dim)
 
 
+def window_start(context_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """Each row's first visible key: max(0, context_len - window); 0 everywhere without one."""
+    if window <= 0:
+        return torch.zeros_like(context_lens)
+    return (context_lens - window).clamp(min=0)
+
+
+def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' tables from the block holding each row's first visible key on, and each row's
+    (first visible key, context length) counted from that block's first position.
+
+    Entries shifted in past a row's table repeat its last entry; they lie past its context."""
+    first_key = window_start(context_lens, window)
+    first_block = first_key // block_size
+    width = block_tables.shape[1]
+    columns = torch.arange(width, device=block_tables.device)
+    index = (first_block[:, None] + columns[None, :]).clamp(max=width - 1)
+    offset = first_block * block_size
+    return block_tables.gather(1, index), first_key - offset, context_lens - offset
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int = 0) -> torch.Tensor:
     """Torch reference and CPU serving path: gather, mask, batched SDPA (fp32 softmax inside).
 
-    Pages are gathered only up to the longest context in the batch. GQA is handled by SDPA's
-    enable_gqa (no repeat_interleave of K/V).
+    Pages are gathered only up to the longest context in the batch (with a window: from each
+    row's first visible block, up to the longest such span). GQA is handled by SDPA's enable_gqa
+    (no repeat_interleave of K/V).
     """
     num_seqs, num_q_heads, _, head_dim = _check_decode(q, k_cache, v_cache, block_tables,
                                                        context_lens)
     if num_seqs == 0:
         return q.new_empty(q.shape)
     block_size = k_cache.shape[1]
+    first = None
+    if window > 0:
+        block_tables, first, context_lens = window_tables(block_tables, context_lens,
+                                                          block_size, window)
     max_context = int(context_lens.max())
     num_blocks = triton.cdiv(max_context, block_size)
-    keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").to(q.dtype).transpose(1, 2)
-    values = gather_pages(v_cache, block_tables, num_blocks, "decode_v").to(q.dtype).transpose(1, 2)
+    keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").to(q.dtype)
+    values = gather_pages(v_cache, block_tables, num_blocks, "decode_v").to(q.dtype)
     positions = torch.arange(num_blocks * block_size, device=q.device)
-    visible = (positions[None, :] < context_lens[:, None]).view(num_seqs, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q.view(num_seqs, num_q_heads, 1, head_dim), keys, values,
-                                         attn_mask=visible, scale=scale, enable_gqa=True)
+    visible = positions[None, :] < context_lens[:, None]
+    if first is not None:
+        # padding and keys before the window may hold anything (even NaN): zero, not just mask
+        visible &= positions[None, :] >= first[:, None]
+        keys = keys.masked_fill(~visible[:, :, None, None], 0)
+        values = values.masked_fill(~visible[:, :, None, None], 0)
+    out = F.scaled_dot_product_attention(
+        q.view(num_seqs, num_q_heads, 1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=visible.view(num_seqs, 1, 1, -1), scale=scale, enable_gqa=True)
     return out.view(num_seqs, num_q_heads, head_dim)
 
 
@@ -79,7 +114,7 @@ def _paged_decode_kernel(
     part_out_ptr, part_ml_ptr, scale_log2e,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head,
-    group_size, head_dim, partition_tokens,
+    group_size, head_dim, partition_tokens, window,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
@@ -89,12 +124,15 @@ def _paged_decode_kernel(
     # are one tl.dot. A tile is BLOCK_N tokens (several cache blocks: more loads in flight).
     # Without SPLIT there is one partition and the program writes the output; with SPLIT it
     # writes its normalised partial output and (max, sum) for _paged_decode_reduce_kernel.
+    # A window > 0 shows keys [first, context_len) only; partitions then count from the block
+    # holding `first`, so blocks wholly before it are never read.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = part * partition_tokens
+    first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    start = first - first % BLOCK_SIZE + part * partition_tokens
     end = tl.minimum(context_len, start + partition_tokens)
 
     group = tl.arange(0, BLOCK_G)
@@ -111,7 +149,7 @@ def _paged_decode_kernel(
     head_base = kv_head * stride_cache_head
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tile
-        visible = positions < end
+        visible = (positions < end) & (positions >= first)
         blocks = tl.load(block_tables_ptr + seq * stride_table + positions // BLOCK_SIZE,
                          mask=visible, other=0).to(tl.int64)
         kv_mask = visible[:, None] & (dims[None, :] < head_dim)
@@ -195,7 +233,8 @@ def _num_partitions(num_seqs: int, num_kv_heads: int, max_tokens: int,
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float, num_partitions: int | None = None) -> torch.Tensor:
+                                  scale: float, window: int = 0,
+                                  num_partitions: int | None = None) -> torch.Tensor:
     """Triton version of paged_decode_attention_ref (same signature and result).
 
     `num_partitions`: split every context into this many partitions (tests); None decides from
@@ -211,6 +250,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_size = k_cache.shape[1]
     tile = _tile_tokens(block_size)
     max_tokens = block_tables.shape[1] * block_size
+    if window > 0:      # a row's keys lie in the blocks from its window's first on
+        max_tokens = min(max_tokens, window + block_size - 1)
     parts = num_partitions or _num_partitions(num_seqs, num_kv_heads, max_tokens, q.device)
     partition_tokens = triton.cdiv(triton.cdiv(max_tokens, parts), tile) * tile
     group_size = num_q_heads // num_kv_heads
@@ -227,7 +268,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        group_size, head_dim, partition_tokens,
+        group_size, head_dim, partition_tokens, max(window, 0),
         BLOCK_SIZE=block_size, BLOCK_N=tile, BLOCK_G=block_g, BLOCK_D=block_d, SPLIT=split,
         DOT_PRECISION=dot_precision(q.dtype),
         KV_FORMAT=triton_format(k_cache.dtype), DTYPE=triton_dtype(q.dtype),

@@ -2,8 +2,11 @@
 
 Sequence s owns query rows cu_seqlens_q[s]:cu_seqlens_q[s+1]. context_lens[s] counts all its
 tokens including this chunk, whose K/V are already stored; query i sits at position
-context_lens[s] - q_len + i and attends causally to keys 0 .. that position. This one kernel
-serves first prefills, later chunks of a chunked prefill and prefix-cache hits alike.
+context_lens[s] - q_len + i and attends causally to keys 0 .. that position; with a sliding
+`window` > 0 only to keys position - window < j <= position (each row has its own window
+start). Blocks wholly before the chunk's first window start are never read (the scheduler may have
+freed them). This one kernel serves first prefills, later chunks of a chunked prefill and
+prefix-cache hits alike.
 """
 from __future__ import annotations
 
@@ -39,15 +42,35 @@ def widen(cache: torch.Tensor, ids: torch.Tensor, context_len: int,
     return pages.flatten(0, 1)[:context_len].to(dtype)
 
 
+def _attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
+                     context_len: int, window: int, scale: float) -> torch.Tensor:
+    """SDPA of one sequence's chunk q [q_len, Hq, D] (its last q_len positions) over its keys
+    first_key .. context_len - 1 ([n, Hkv, D]); returns [q_len, Hq, D]."""
+    q_len = q.shape[0]
+    if q_len == context_len and window <= 0:
+        mask, causal = None, True
+    else:
+        # bottom-right aligned causal mask (SDPA's is_causal is top-left), and the window
+        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        key_pos = torch.arange(first_key, context_len, device=q.device)
+        mask, causal = key_pos[None, :] <= query_pos[:, None], False
+        if window > 0:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return attended[0].transpose(0, 1)
+
+
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                context_lens: torch.Tensor, scale: float,
+                                window: int = 0) -> torch.Tensor:
     """Torch reference and CPU serving path.
 
     Loops over the (few) sequences of a step; within one it gathers the pages up to its context
-    and runs one SDPA over all its query rows and heads (fp32 softmax inside, GQA via
-    enable_gqa). A chunk with no cached prefix uses SDPA's causal mode; a chunk after a prefix
-    needs a bottom-right aligned causal mask, which SDPA's is_causal (top-left) is not.
+    (with a window: from the block of its first row's window start) and runs one SDPA over all
+    its query rows and heads (fp32 softmax inside, GQA via enable_gqa).
     """
     _, num_q_heads, _, head_dim = _check_prefill(q, k_cache, v_cache, block_tables,
                                                  cu_seqlens_q, context_lens)
@@ -62,21 +85,15 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         require(q_len <= context_len,
                 f"paged_prefill_attention: sequence {seq} has {q_len} query tokens but a "
                 f"context of only {context_len}")
-        num_blocks = triton.cdiv(context_len, block_size)
-        ids = block_tables[seq, :num_blocks].long()
-        keys = widen(k_cache, ids, context_len, q.dtype).transpose(0, 1)
-        values = widen(v_cache, ids, context_len, q.dtype).transpose(0, 1)
-        queries = q[q_start:q_end].transpose(0, 1)
-        if q_len == context_len:
-            mask, causal = None, True
-        else:
-            query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-            key_pos = torch.arange(context_len, device=q.device)
-            mask, causal = key_pos[None, :] <= query_pos[:, None], False
-        attended = F.scaled_dot_product_attention(
-            queries[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-            scale=scale, enable_gqa=True)
-        out[q_start:q_end] = attended[0].transpose(0, 1)
+        first_block = 0
+        if window > 0:
+            first_block = max(0, context_len - q_len - window + 1) // block_size
+        ids = block_tables[seq, first_block:triton.cdiv(context_len, block_size)].long()
+        first_key = first_block * block_size
+        keys = widen(k_cache, ids, context_len - first_key, q.dtype)
+        values = widen(v_cache, ids, context_len - first_key, q.dtype)
+        out[q_start:q_end] = _attend_sequence(q[q_start:q_end], keys, values, first_key,
+                                              context_len, window, scale)
     return out
 
 
@@ -86,12 +103,13 @@ def _paged_prefill_kernel(
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head,
-    group_size, head_dim,
+    group_size, head_dim, window,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
 ):
     # One program per (tile of BLOCK_M query rows, sequence, query head); it walks the
-    # sequence's pages up to the tile's last query position with an online softmax.
+    # sequence's pages up to the tile's last query position with an online softmax, from the
+    # page of the tile's first row's window start when window > 0.
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     q_head = tl.program_id(2)
@@ -116,8 +134,11 @@ def _paged_prefill_kernel(
     # Keys past the tile's last row are never visible; an empty tile (rows >= q_len) walks none.
     tile_end = tl.minimum(prefix_len + (tile + 1) * BLOCK_M, context_len)
     num_pages = tl.where(tile * BLOCK_M < q_len, tl.cdiv(tile_end, BLOCK_SIZE), 0)
+    first_page = tl.where(window > 0,
+                          tl.maximum(prefix_len + tile * BLOCK_M - window + 1, 0) // BLOCK_SIZE,
+                          0)
     head_base = kv_head * stride_cache_head
-    for logical_block in range(0, num_pages):
+    for logical_block in range(first_page, num_pages):
         block = tl.load(block_tables_ptr + seq * stride_table + logical_block).to(tl.int64)
         key_pos = logical_block * BLOCK_SIZE + offsets
         kv_mask = (key_pos[:, None] < context_len) & (dims[None, :] < head_dim)
@@ -127,11 +148,15 @@ def _paged_prefill_kernel(
         v = load_kv(v_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < context_len)
+        if window > 0:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees key 0 in the first page, so m_new is finite from then on.
+        # A row whose window starts in a later page sees no key here: m_new stays -inf, so
+        # subtract 0 instead (alpha, p = 0) rather than -inf - -inf = NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -144,7 +169,8 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                   context_lens: torch.Tensor, scale: float,
+                                   window: int = 0) -> torch.Tensor:
     """Triton version of paged_prefill_attention_ref (same signature and result).
 
     The grid is sized by the total token count rather than the longest chunk so that launching
@@ -166,7 +192,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_q_heads // num_kv_heads, head_dim,
+        num_q_heads // num_kv_heads, head_dim, max(window, 0),
         BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=dot_precision(q.dtype), KV_FORMAT=triton_format(k_cache.dtype),
         DTYPE=triton_dtype(q.dtype),

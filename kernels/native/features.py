@@ -30,7 +30,7 @@ class Feature:
 
 
 _DECODE_ARGS = (P, P, P, P, I64, I64, I64, I64, P, I64, I64, P, I32, I32, I32, I32, I32, F32, I32,
-                I32, P, I32)
+                I32, I32, P, I32)
 _NORM_ARGS = (P, I64, P, I64, P, F32, I64, I64, P, I64, I32)
 _SILU_ARGS = (P, I64, I64, I64, P, I64, I32)
 

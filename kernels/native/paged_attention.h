@@ -9,6 +9,9 @@
  * (the Python wrapper converts a bf16 query and output); query head qh reads kv head qh / (Hq / Hkv).
  * The cache holds fp32, bf16 or fp8 (e4m3fn or e5m2, kernels/kv_format.py): one entry point per
  * format, paged_decode_{f32,bf16,e4m3,e5m2}; every element is widened to fp32 as it is loaded.
+ * A sliding window > 0 shows a row of context c only keys [max(0, c - window), c): its tasks'
+ * partitions count from the block holding the first of them, so blocks wholly before it (which
+ * the scheduler may have freed and reused) are never read.
  *
  * Why a native kernel: on a CPU the torch path gathers every sequence's pages into a scratch
  * buffer and then runs SDPA over it, so the KV cache crosses the memory bus three times and
@@ -551,6 +554,7 @@ typedef struct {
     int64_t stride_blk, stride_tok, stride_head, num_blocks, table_stride, table_width;
     const int32_t *block_tables, *context_lens;
     int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, part_tokens, max_parts;
+    int window;
     float scale;
     float *workspace;
     _Atomic int status;
@@ -572,12 +576,15 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     const int64_t max_parts = job->max_parts, part_tokens = job->part_tokens;                 \
     const int64_t b = task / max_parts, p = task % max_parts;                                 \
     const int64_t ctx = job->context_lens[b];                                                 \
-    const int64_t k0 = p * part_tokens;                                                       \
+    /* the window's first key, and partitions counted from the start of its block */          \
+    const int64_t first = job->window > 0 && ctx > job->window ? ctx - job->window : 0;      \
+    int64_t k0 = first - first % block_size + p * part_tokens;                                \
     float *base = job->workspace + task * H * line_floats;                                    \
     float *pm = base, *pl = base + H, *pacc = base + 2 * H;                                   \
     if (ctx < 1 || ctx > job->table_width * block_size) { job->status = -5; return; }        \
     if (k0 >= ctx) { for (int64_t h = 0; h < H; h++) pl[h] = 0.0f; return; }                \
     const int64_t k1 = ctx < k0 + part_tokens ? ctx : k0 + part_tokens;                       \
+    if (k0 < first) k0 = first;                                                               \
     float *qf = pa_thread_scratch(H * D + H * part_tokens);                                      \
     if (!qf) { job->status = -4; return; }                                                    \
     float *scores = qf + H * D;                                                               \
@@ -609,15 +616,15 @@ int paged_decode_##SUFFIX(                                                      
         int64_t stride_tok, int64_t stride_head, int64_t num_blocks,                        \
         const int32_t *block_tables, int64_t table_stride, int64_t table_width,             \
         const int32_t *context_lens, int num_seqs, int num_q_heads, int num_kv_heads,        \
-        int head_dim, int block_size, float scale, int part_tokens, int max_parts,           \
-        float *workspace, int num_threads) {                                                  \
+        int head_dim, int block_size, float scale, int window, int part_tokens,              \
+        int max_parts, float *workspace, int num_threads) {                                   \
     if (head_dim > MAX_HEAD_DIM || head_dim <= 0) return -1;                                  \
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;                           \
     if (part_tokens <= 0 || part_tokens % block_size) return -3;                              \
     decode_job job = {q, k_cache, v_cache, out, stride_blk, stride_tok, stride_head,          \
                       num_blocks, table_stride, table_width, block_tables, context_lens,       \
                       num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, part_tokens, \
-                      max_parts, scale, workspace, 0};                                        \
+                      max_parts, window, scale, workspace, 0};                                \
     pa_run_tasks(num_threads, decode_task_##SUFFIX, &job, (int64_t)num_seqs * max_parts);        \
     if (job.status) return job.status;                                                        \
     const int64_t lines = (int64_t)num_seqs * num_q_heads;                                    \

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 import torch
-from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
+from paged_inputs import (WINDOW_SHAPES, make_kv_cache, naive_attention, rel_error,
+                          shuffled_block_tables, window_case)
 
 from pagedserve import envs, kernels
 from pagedserve.kernels import cpu_decode_attention
@@ -44,6 +45,16 @@ def test_matches_reference_and_naive(monkeypatch, rng, dtype, num_q_heads, num_k
     for b, context_len in enumerate(context_lens):
         naive = naive_attention(q[b:b + 1], k_cache, v_cache, tables[b], context_len, 1, scale)
         assert rel_error(out[b:b + 1], naive) < TOLERANCE[dtype], f"row {b} (context {context_len})"
+
+
+@pytest.mark.parametrize("window", [0, 20, 600])
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", WINDOW_SHAPES)
+def test_sliding_window_skips_dead_blocks(rng, head_dim, num_q_heads, num_kv_heads, window):
+    # buckets by the span from each row's first visible block; blocks before it hold NaN
+    case = window_case(rng, [1, 5, 40, 300, 33, 90], [1] * 6, 16, head_dim, num_q_heads,
+                       num_kv_heads, window)
+    out = paged_decode_attention_cpu(*case.decode_args(), window=window)
+    assert rel_error(out, case.expected) < 1e-5
 
 
 def test_rows_keep_their_order_and_ignore_table_padding(rng):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
+from paged_inputs import (WINDOW_SHAPES, make_kv_cache, naive_attention, rel_error,
+                          shuffled_block_tables, window_case)
 
 from pagedserve import envs, kernels
 from pagedserve.kernels.copy_blocks import copy_blocks_ref
@@ -53,6 +54,37 @@ def test_prefill_ref_matches_naive(rng, dtype, num_q_heads, num_kv_heads):
         expected = naive_attention(q[cu[s]:cu[s + 1]], k_cache, v_cache, tables[s], context_len,
                                    q_lens[s], 0.3)
         assert rel_error(out[cu[s]:cu[s + 1]], expected) < TOLERANCE[dtype]
+
+
+def test_naive_window_is_a_dense_masked_softmax(rng):
+    """The test's naive_attention with a window, against softmax over a mask built by hand."""
+    k_cache = torch.randn(3, 4, 1, 8, generator=rng)
+    v_cache = torch.randn(3, 4, 1, 8, generator=rng)
+    table = torch.tensor([2, 0, 1], dtype=torch.int32)
+    q = torch.randn(3, 2, 8, generator=rng)                 # positions 8, 9, 10 of 11
+    out = naive_attention(q, k_cache, v_cache, table, 11, 3, 0.5, window=4)
+    keys = k_cache[table.long()].flatten(0, 1)[:11, 0].double()
+    values = v_cache[table.long()].flatten(0, 1)[:11, 0].double()
+    for row, pos in enumerate((8, 9, 10)):
+        seen = torch.tensor([pos - 4 < j <= pos for j in range(11)])
+        scores = (q[row].double() @ keys.T * 0.5).masked_fill(~seen, float("-inf"))
+        assert torch.allclose(out[row], scores.softmax(-1) @ values)
+
+
+@pytest.mark.parametrize("window", [0, 20, 600])
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", WINDOW_SHAPES)
+def test_windowed_refs_match_naive_and_skip_dead_blocks(rng, head_dim, num_q_heads,
+                                                        num_kv_heads, window):
+    """Sliding windows shorter and longer than the contexts, with the blocks wholly before each
+    window full of NaN (freed and reused elsewhere): the output stays finite and right."""
+    decode = window_case(rng, [1, 5, 40, 300, 33], [1] * 5, 16, head_dim, num_q_heads,
+                         num_kv_heads, window)
+    out = paged_decode_attention_ref(*decode.decode_args(), window=window)
+    assert rel_error(out, decode.expected) < 1e-5
+    prefill = window_case(rng, [7, 45, 61, 3], [7, 13, 30, 1], 16, head_dim, num_q_heads,
+                          num_kv_heads, window)
+    out = paged_prefill_attention_ref(*prefill.prefill_args(), window=window)
+    assert rel_error(out, prefill.expected) < 1e-5
 
 
 def test_store_kv_ref_writes_slots_and_skips_minus_one(rng):

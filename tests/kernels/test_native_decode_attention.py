@@ -1,11 +1,13 @@
 """The native CPU decode kernel (kernels/native) against the torch reference and the naive
 per-sequence attention: GQA, block sizes 16 and 32, ragged contexts (some longer than one
-partition), shuffled tables padded with -1, head sizes on the vector path and off it; in every
-build variant this machine runs, each of which must build the vector body it stands for."""
+partition), shuffled tables padded with -1, head sizes on the vector path and off it, sliding
+windows; in every build variant this machine runs, each of which must build the vector body it
+stands for."""
 import pytest
 import torch
 from native_variants import PER_VARIANT, expected_vector_lanes
-from paged_inputs import make_kv_cache, naive_attention, rel_error, shuffled_block_tables
+from paged_inputs import (WINDOW_SHAPES, make_kv_cache, naive_attention, rel_error,
+                          shuffled_block_tables, window_case)
 
 from pagedserve import kernels
 from pagedserve.kernels import native_decode_attention
@@ -44,6 +46,22 @@ def test_matches_reference_and_naive(rng, dtype, num_q_heads, num_kv_heads, bloc
     for row, n in enumerate(context_lens):
         expected = naive_attention(q[row:row + 1], k_cache, v_cache, tables[row], n, 1, scale)
         assert rel_error(out[row:row + 1], expected) < TOLERANCE[dtype], row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 20, 300])
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", WINDOW_SHAPES)
+def test_sliding_window_matches_naive_and_skips_dead_blocks(rng, monkeypatch, dtype, head_dim,
+                                                            num_q_heads, num_kv_heads, window):
+    # head sizes 64/128 with groups up to 8 take the vector body, 256 or a group of 16 the
+    # portable one; partitions of 64 tokens count from each row's first visible block, and the
+    # blocks wholly before it hold NaN (freed, reused by another sequence)
+    monkeypatch.setattr(native_decode_attention, "PART_TOKENS", 64)
+    case = window_case(rng, [1, 5, 40, 700, 33], [1] * 5, 16, head_dim, num_q_heads,
+                       num_kv_heads, window, dtype)
+    out = paged_decode_attention_native(*case.decode_args(), window=window)
+    assert out.dtype == dtype
+    assert rel_error(out, case.expected) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("q_dtype,cache_dtype", [

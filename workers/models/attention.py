@@ -33,21 +33,24 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Store this step's k/v [T, Hkv, D] into their slots, then attend; returns [T, Hq, D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """Store this step's k/v [T, Hkv, D] into their slots, then attend; returns [T, Hq, D].
+    window > 0: this layer's sliding window (a row at position p sees keys p - window < j <= p)."""
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(q, k_cache, v_cache, meta, scale)
+    return attend(q, k_cache, v_cache, meta, scale, window=window)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over caches that already hold this step's k/v."""
+           scale: float, window: int = 0) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over caches that already hold this step's k/v (window: as in
+    paged_attention; 0 is global attention)."""
     num_decode = meta.num_decode_tokens
     decode_out = prefill_out = None
     if num_decode:
         decode_out = kernels.paged_decode_attention(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale)
+            meta.decode_context_lens, scale, window=window)
     if meta.num_prefill_seqs and meta.prefill_row_tables is not None \
             and kernels.native_decode_rows(q, k_cache):
         # A prefill row at position p is a decode query over keys 0..p of its sequence: one
@@ -56,11 +59,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         # about even (851 vs 866 ms), the kernel's arithmetic then matching SDPA's.
         prefill_out = kernels.paged_decode_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_row_tables,
-            meta.prefill_row_context_lens, scale)
+            meta.prefill_row_context_lens, scale, window=window)
     elif meta.num_prefill_seqs:
         prefill_out = kernels.paged_prefill_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+            meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, window=window)
     if prefill_out is None:
         return decode_out
     if decode_out is None:
