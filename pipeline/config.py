@@ -52,6 +52,8 @@ class ModelArgs:
     # none, or int8: weights and activations in int8 blocks of 32 (llama.cpp's Q8_0 scheme) on
     # CPU workers in fp32 (kernels/native/linear_q8.c)
     quantization: str = "none"
+    generation_config: str = "auto"   # --generation-config: auto, vllm or a directory
+    chat_template: str | None = None  # --chat-template: a file or an inline Jinja template
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -257,6 +259,8 @@ class ModelInfo:
     max_position_embeddings: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    generation_defaults: dict = field(default_factory=dict)  # in force (--generation-config)
+    chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
     # Positions every layer attends back (Mistral's sliding window); 0: none, or only some
     # layers windowed (Gemma 3). The scheduler then frees blocks that slid out of it.
     sliding_window: int = 0
@@ -338,6 +342,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "(llama.cpp's Q8_0 scheme), CPU workers only; 1.4-2.7x faster linears than "
                         "fp32 on AVX2, perplexity +0.9%% on ShareGPT text")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--generation-config", default="auto", help="auto: the model's "
+                   "generation_config.json fills unset sampling fields; vllm: no; or a directory")
+    p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=d.cache.block_size)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,

@@ -66,7 +66,8 @@ class EngineCore:
             resolve_model(config)
         worker, num_gpu_blocks, num_cpu_blocks = build_core(config, 0, shared_swap=False)
         return cls(config, worker, num_gpu_blocks, num_cpu_blocks,
-                   load_tokenizer(config.model_info.tokenizer_dir))
+                   load_tokenizer(config.model_info.tokenizer_dir,
+                                  chat_template=config.model_info.chat_template))
 
     # -- the client's side ------------------------------------------------------------------
     def submit(self, request: messages.AddRequest) -> list[Any]:

@@ -27,7 +27,8 @@ class EngineGroup:
         config = EngineConfig.from_kwargs(**engine_kwargs)
         resolve_model(config)  # here, so that the tokenizer is at hand; the launcher reuses it
         self.model_dir = config.model_info.model_dir
-        self.tokenizer = load_tokenizer(config.model_info.tokenizer_dir)
+        self.tokenizer = load_tokenizer(config.model_info.tokenizer_dir,
+                                        chat_template=config.model_info.chat_template)
         self.start_timeout = envs.current().start_timeout
         self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         config.ipc.ipc_dir = self.ipc_dir
@@ -85,6 +86,9 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--served-model-name", m.served_model_name]
     if m.max_model_len:
         argv += ["--max-model-len", str(m.max_model_len)]
+    argv += ["--generation-config", m.generation_config]
+    if m.chat_template is not None:
+        argv += ["--chat-template", m.chat_template]
     if c.kv_cache_memory:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
     if p.cpu_threads:

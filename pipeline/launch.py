@@ -373,9 +373,13 @@ def resolve_model(config: EngineConfig) -> None:
     """Fetch or convert the model once, here, and record what every role needs to know about
     it in `config.model_info`: the children only read the cache, and none of them imports the
     loader. Raises ModelLoadError naming the problem."""
+    from pagedserve.pipeline.generation_defaults import describe, read_generation_defaults
+    from pagedserve.pipeline.tokenizer import read_chat_template
     from pagedserve.workers.loader import load_config, resolve_model as resolve
     model_dir = str(resolve(config.model.model, config.env.cache_root))
     model = load_config(model_dir)
+    defaults, source = read_generation_defaults(config.model.generation_config, model_dir)
+    log.info("%s", describe(defaults, source))
     if config.model.served_model_name is None:
         config.model.served_model_name = os.path.basename(config.model.model.rstrip("/"))
     config.model.model = model_dir
@@ -383,6 +387,7 @@ def resolve_model(config: EngineConfig) -> None:
         model_dir=model_dir, tokenizer_dir=model_dir, architecture=model.architecture,
         vocab_size=model.vocab_size, max_position_embeddings=model.max_position_embeddings,
         eos_token_ids=list(model.eos_token_ids), bos_token_id=model.bos_token_id,
+        generation_defaults=defaults, chat_template=read_chat_template(config.model.chat_template),
         sliding_window=getattr(model, "sliding_window", 0) or 0)
 
 

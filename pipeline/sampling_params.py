@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import msgspec
 
@@ -10,18 +11,29 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias value
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
+# Fields a request may leave unset (None) for the model's default (pipeline/generation_defaults.py),
+# with the value they take when the model has none.
+NEUTRAL_VALUES = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                  "repetition_penalty": 1.0}
+MODEL_DEFAULT_FIELDS = tuple(NEUTRAL_VALUES)
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What to generate and how; `validate()` raises ValueError naming the bad field."""
+    """What to generate and how; `validate()` raises ValueError naming the bad field.
+
+    temperature, top_p, top_k, min_p and repetition_penalty left None take the model's defaults
+    (its generation_config.json) at the scheduler's admission, else NEUTRAL_VALUES
+    (`with_defaults`); the sampler only ever sees numbers.
+    """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0 on input) disables
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 (or 0 on input) disables
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None = up to the max model length
     min_tokens: int = 0
@@ -52,14 +64,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         mixed = (self.seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
         return msgspec.structs.replace(self, seed=mixed - (1 << 64) if mixed >= 1 << 63 else mixed)
 
+    def with_defaults(self, defaults: Mapping[str, float] | None = None) -> "SamplingParams":
+        """These params with every unset field filled: from `defaults` (the model's), else
+        its neutral value. Fields already set are kept; self when nothing is unset."""
+        if not (self.temperature is None or self.top_p is None or self.top_k is None
+                or self.min_p is None or self.repetition_penalty is None):
+            return self
+        defaults = defaults or {}
+        filled = {name: defaults.get(name, neutral) for name, neutral in NEUTRAL_VALUES.items()
+                  if getattr(self, name) is None}
+        return msgspec.structs.replace(self, **filled)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        return (self.temperature is not None and self.temperature < 1e-5) or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty not in (None, 1.0))
 
     def validate(self, *, vocab_size: int | None = None, max_n: int = 128) -> "SamplingParams":
         def bad(field: str, msg: str) -> ValueError:
@@ -68,24 +91,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
+            if v is None and name in NEUTRAL_VALUES:
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
         if not 1 <= self.n <= max_n:
             raise bad("n", f"must be between 1 and {max_n}, got {self.n}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_ranges(self.with_defaults())
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {v}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -110,6 +126,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise bad("logit_bias", f"value for token {t} must be a number in "
                                         f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
         return self
+
+
+def _check_ranges(p: SamplingParams) -> None:
+    """The ranges of the fields a model may default (checked on the filled-in values)."""
+    if not 0.0 <= p.temperature <= 2.0:
+        raise ValueError(f"temperature must be in [0, 2], got {p.temperature}")
+    if not 0.0 < p.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < -1 or p.top_k == 0:
+        raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {p.top_k}")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {p.min_p}")
+    if not 0.0 < p.repetition_penalty <= 2.0:
+        raise ValueError(f"repetition_penalty must be in (0, 2], got {p.repetition_penalty}")
 
 
 def _check_token_id(field: str, token: object, vocab_size: int | None) -> None:

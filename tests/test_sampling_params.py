@@ -9,7 +9,8 @@ from pagedserve.pipeline.sampling_params import SamplingParams
 
 def test_defaults_validate():
     p = SamplingParams().validate()
-    assert p.n == 1 and p.top_k == -1 and not p.greedy
+    assert p.n == 1 and p.top_k is None and not p.greedy  # unset: the model's default
+    assert p.with_defaults().top_k == -1  # or, without one, disabled
 
 
 @pytest.mark.parametrize("kwargs, field", [

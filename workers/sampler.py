@@ -45,6 +45,8 @@ class Sampler:
         if not (len(params) == len(token_ids) == len(num_prompt_tokens) == num_rows):
             raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params, "
                              f"{len(token_ids)} token lists, {len(num_prompt_tokens)} prompt lengths")
+        # the scheduler's admission fills unset fields; params built by hand may leave them
+        params = [p.with_defaults() for p in params]
         raw_logits = logits.float()
         logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens)
 

@@ -22,7 +22,9 @@ from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise invalid("this model has no chat template; use /v1/completions", "messages")
+        raise invalid("this model has no chat template (its tokenizer defines none, as a base "
+                      "model's does not): use /v1/completions, or start the server with "
+                      "--chat-template (a file or an inline Jinja template)", "messages")
     extra = dict(req.chat_template_kwargs or {})  # its keys were checked by req.check()
     try:
         text = tokenizer.apply_chat_template(

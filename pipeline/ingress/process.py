@@ -75,7 +75,8 @@ def build_server(cfg, faults=None) -> _Server:
     from pagedserve.pipeline.ingress.limits import uvicorn_settings
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir)
+    tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir,
+                               chat_template=cfg.model_info.chat_template)
     engine = AsyncEngineClient(cfg.ipc.frontend_addr, cfg.ipc.output_addr,
                                connect_timeout=cfg.env.ready_timeout)
     ctx = IngressContext.from_config(cfg, engine, tokenizer)

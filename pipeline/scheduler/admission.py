@@ -47,6 +47,8 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
         sampling.validate(vocab_size=config.vocab_size)
     except ValueError as exc:
         raise RequestRejected(rid, str(exc)) from None
+    # the one gate every entry point passes: unset sampling fields take the model's defaults
+    sampling = sampling.with_defaults(config.generation_defaults)
     if outputs and sampling.n != 1:
         raise RequestRejected(rid, f"already generated tokens can only be resubmitted with n=1, "
                                    f"got n={sampling.n}")

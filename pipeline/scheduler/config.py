@@ -1,7 +1,7 @@
 """Scheduler settings; names follow vLLM's flags (--max-num-seqs, --max-num-batched-tokens, ...)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 POLICIES = ("fcfs", "priority")
@@ -31,6 +31,9 @@ class SchedulerConfig:
     # Scheduler.take_finished() reports finished requests (their service keeps them for a
     # detokenizer re-feed); off, nothing is kept for anyone to take.
     report_finished: bool = False
+    # The model's sampling defaults (pipeline/generation_defaults.py): admission fills a
+    # request's unset sampling fields from them.
+    generation_defaults: dict = field(default_factory=dict)
     # The model's sliding window when every layer attends only that many positions back
     # (Mistral): blocks that slid out of it are released while a sequence runs, and a request
     # needs room for its window, not its length. 0: no window (or some global layers).
@@ -76,4 +79,5 @@ class SchedulerConfig:
                    enable_prefix_caching=cfg.cache.enable_prefix_caching,
                    max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
                    policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None,
-                   report_finished=True, sliding_window=cfg.model_info.sliding_window)
+                   report_finished=True, sliding_window=cfg.model_info.sliding_window,
+                   generation_defaults=dict(cfg.model_info.generation_defaults))
