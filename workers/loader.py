@@ -18,118 +18,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, builtin_gguf
 from pagedserve.workers.gguf_files import check_gguf, convert_gguf
 from pagedserve.workers.load_error import ModelLoadError
+# ModelConfig and the architecture table live in workers/model_config.py; re-exported here.
+from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig  # noqa: F401
+from pagedserve.workers.model_config import id_tuple as _id_tuple
 
 logger = logging.getLogger("pagedserve.loader")
 
 CACHE_FORMAT = 2                      # bump when the layout of a converted directory changes
 CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a complete directory
-
-# HF model_type -> our architecture name.
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None         # None for plain RoPE, else a dict with "rope_type"
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ModelLoadError(f"config: {name} must be a positive integer, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"config: num_attention_heads ({self.num_attention_heads}) is not "
-                                 f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
-
-    @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
-        """From a transformers PretrainedConfig or a config.json dict (transformers 4 or 5 style)."""
-        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        model_type = cfg.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ModelLoadError(f"config: unsupported architecture model_type={model_type!r} "
-                                 f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-        _check_supported_features(cfg)
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
-        if missing:
-            raise ModelLoadError(f"config: missing {', '.join(missing)}")
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or _divide(cfg["hidden_size"], heads, "hidden_size")
-        rope_theta, rope_scaling = _rope(cfg)
-        return cls(
-            architecture=ARCHITECTURES[model_type],
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_id_tuple(cfg.get("eos_token_id")))
-
-
-def _divide(total: int, parts: int, name: str) -> int:
-    if total % parts:
-        raise ModelLoadError(f"config: no head_dim and {name} ({total}) is not divisible by "
-                             f"num_attention_heads ({parts})")
-    return total // parts
-
-
-def _check_supported_features(cfg: dict) -> None:
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"config: unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
-    if cfg["model_type"] in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ModelLoadError("config: attention_bias / mlp_bias are not supported for llama")
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", cfg["model_type"] == "mistral")
-    if uses_window and window and window < cfg.get("max_position_embeddings", 0):
-        raise ModelLoadError(f"config: sliding-window attention (sliding_window={window}) "
-                             "is not supported")
-
-
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """transformers 5 puts theta and scaling in rope_parameters; 4 used rope_theta + rope_scaling."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ModelLoadError("config: per-layer-type rope_parameters are not supported")
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = dict(cfg.get("rope_scaling") or params)
-    scaling.pop("rope_theta", None)
-    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
-    if rope_type == "default":
-        return theta, None
-    return theta, {**scaling, "rope_type": rope_type}
-
-
-def _id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 # ---------------------------------------------------------------- directory loading

@@ -92,7 +92,7 @@ def test_from_hf_derives_head_dim_and_normalizes_eos():
     assert ModelConfig.from_hf({**LLAMA_DICT, "eos_token_id": 3}).eos_token_ids == (3,)
     assert ModelConfig.from_hf({**LLAMA_DICT, "head_dim": 64}).head_dim == 64
     assert ModelConfig.from_hf({**LLAMA_DICT, "model_type": "mistral",
-                                "sliding_window": None}).architecture == "llama"
+                                "sliding_window": None}).architecture == "mistral"
 
 
 def test_from_hf_reads_rope_in_transformers_4_and_5_styles():
@@ -122,7 +122,9 @@ def test_from_hf_accepts_a_transformers_config_object():
     ({"model_type": "gpt2"}, "unsupported architecture"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"model_type": "mistral", "sliding_window": 1024}, "sliding-window"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
 ])
 def test_from_hf_rejects_what_we_cannot_run(change, problem):
     with pytest.raises(ModelLoadError, match=problem):
