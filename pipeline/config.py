@@ -334,7 +334,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving")
     d = EngineConfig()
     p.add_argument("--model", default=d.model.model,
-                   help="HF directory, .gguf file, or the built-in SmolLM2-135M-Instruct")
+                   help="HF directory, .gguf file, or a built-in name (workers/builtin_models.py)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default=d.model.dtype)
     p.add_argument("--quantization", "-q", default=d.model.quantization, choices=QUANTIZATIONS,

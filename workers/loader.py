@@ -29,7 +29,7 @@ from pagedserve.workers.model_config import id_tuple as _id_tuple
 
 logger = logging.getLogger("pagedserve.loader")
 
-CACHE_FORMAT = 2                      # bump when the layout of a converted directory changes
+CACHE_FORMAT = 3                      # bump when the layout of a converted directory changes
 CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a complete directory
 
 

@@ -199,3 +199,19 @@ def test_gguf_sampling_keys_are_read(tmp_path):
     writer.close()
     got = gguf_sampling_defaults(tmp_path / "s.gguf")
     assert got == {"temperature": pytest.approx(0.6), "top_k": 40}
+
+
+def test_digit_splitting_pre_tokenizers_are_restored():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedserve.workers.gguf_files import restore_pre_tokenizer
+    backend = Tokenizer(models.WordLevel({"[unk]": 0}, unk_token="[unk]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    restore_pre_tokenizer(tokenizer, "qwen2")  # not one of them: unchanged
+    assert [p for p, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a 123")] \
+        == ["a", "123"]
+    restore_pre_tokenizer(tokenizer, "smollm")
+    assert [p for p, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a 123")] \
+        == ["a", "1", "2", "3"]
