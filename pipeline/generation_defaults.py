@@ -26,14 +26,14 @@ class GenerationConfigError(ModelLoadError):
 def read_generation_defaults(mode: str, model_dir: str | Path) -> tuple[dict, str]:
     """(defaults, where they came from) for --generation-config `mode`."""
     if mode == "vllm":
-        return {}, "none (--generation-config vllm)"
+        return {}, "--generation-config vllm"
     folder = Path(model_dir) if mode == "auto" else Path(mode).expanduser()
     path = folder / "generation_config.json"
     if mode != "auto" and not path.is_file():
         raise GenerationConfigError(f"--generation-config {mode}: no generation_config.json in "
                                     f"that directory (or pass auto or vllm)")
     if not path.is_file():
-        return {}, f"none ({path} does not exist)"
+        return {}, f"{path} does not exist"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -66,7 +66,7 @@ def pick_defaults(raw: dict, where: str = "generation_config.json") -> dict:
 def describe(defaults: dict, source: str) -> str:
     """The launcher's log line."""
     if not defaults:
-        return f"generation defaults: none from {source}; unset request fields take the neutral values"
+        return f"generation defaults: none ({source}); unset request fields take neutral values"
     shown = " ".join(f"{k}={v:g}" for k, v in defaults.items())
     return (f"generation defaults from {source}: {shown} (a request's unset fields take them; "
             f"--generation-config vllm turns them off)")

@@ -84,7 +84,8 @@ def test_generation_config_modes(tmp_path):
         read_generation_defaults("auto", bad)
     line = describe(QWEN, source)
     assert "temperature=0.7 top_p=0.8 top_k=20 repetition_penalty=1.05" in line
-    assert "none" in describe({}, "none (--generation-config vllm)")
+    assert describe({}, "--generation-config vllm").startswith(
+        "generation defaults: none (--generation-config vllm)")
 
 
 def test_flags_reach_the_config_and_survive_the_hand_off():
