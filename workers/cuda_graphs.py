@@ -91,7 +91,7 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
         # Not model.compute_logits: its reused buffers may be reallocated by a later eager step,
         # and a graph must own every address it writes.
-        return F.linear(hidden, self.model.lm_head).float()
+        return self.model.cap_logits(F.linear(hidden, self.model.lm_head).float())
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -1,4 +1,4 @@
-"""Test helpers: a tiny random-weight Llama directory, and transformers' own greedy decode."""
+"""Test helpers: tiny random-weight model directories, and transformers' own greedy decode."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -28,6 +28,40 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+# transformers' config and model classes of each architecture workers/models/ implements
+_HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+               "glm4": ("Glm4Config", "Glm4ForCausalLM")}
+
+
+def make_tiny_model(path: str | Path, architecture: str, *, seed: int = 0, std: float = 0.3,
+                    **config) -> Path:
+    """Write a seeded random-weight HF directory of `architecture` (a key of workers/models'
+    registry) from transformers' own config and model classes; `config` are the config class's
+    keyword arguments (tiny sizes are the caller's). Every weight is drawn from N(0, std), and
+    every norm weight around its neutral value (1, or 0 for Gemma's 1 + w), so that no part of
+    the model is an identity a bug could hide behind."""
+    import torch
+    import transformers
+
+    config_name, model_name = _HF_CLASSES[architecture]
+    hf_config = getattr(transformers, config_name)(**config)
+    path = Path(path)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(hf_config).to(torch.float32)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0 if architecture == "gemma3" else 1.0, 0.2)
+            else:
+                param.normal_(0.0, std)
     model.save_pretrained(path)
     return path
 

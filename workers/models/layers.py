@@ -1,12 +1,11 @@
 """Tensor-parallel building blocks: head/row partitioning, rank-local linears, RMSNorm,
-SiLU-and-mul, RoPE.
+SiLU-and-mul (RoPE: rotary.py, re-exported here).
 
 Each parallel linear owns only this rank's slice of the weight and knows how to cut that slice
 out of the full Hugging Face tensor (`load`), so checkpoints are never re-sharded on disk.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from pagedserve.kernels import native, native_elementwise, native_linear, native
 from pagedserve.kernels.paths import bf16_prepack_supported, native_cpu_elementwise  # noqa: F401
 from pagedserve.pipeline.config import QUANTIZATIONS
 from pagedserve.workers.distributed import TPGroup
+from pagedserve.workers.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
 
 
 def even_split(n: int, parts: int, index: int) -> slice:
@@ -192,28 +192,46 @@ def release_packed_weights(model: nn.Module) -> int:
 
 
 class QKVParallelLinear(PackableLinear):
-    """Fused q/k/v projection for this rank's heads (column parallel): out = [q | k | v]."""
+    """Fused q/k/v projection for this rank's heads (column parallel): out = [q | k | v], with
+    an optional bias cut like the weight. `head_perm` reorders the dims of every q and k head
+    (the same order for both, so q.k is unchanged): GLM's interleaved RoPE pairs become the
+    rotate-halves pairs every kernel here applies (rotary.interleaved_head_perm)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 part: HeadPartition, dtype: torch.dtype, device: torch.device | str) -> None:
+                 part: HeadPartition, dtype: torch.dtype, device: torch.device | str,
+                 bias: bool = False, head_perm: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.head_dim, self.hidden_size = head_dim, hidden_size
+        self.head_dim, self.hidden_size, self.head_perm = head_dim, hidden_size, head_perm
         self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.heads = {"q": torch.tensor(list(part.q_heads)), "k": torch.tensor(part.kv_heads),
                       "v": torch.tensor(part.kv_heads)}
         nq, nkv = len(part.q_heads), len(part.kv_heads)
         self.sizes = (nq * head_dim, nkv * head_dim, nkv * head_dim)
         self.weight = _param((sum(self.sizes), hidden_size), dtype, device)
+        self.bias = _param((sum(self.sizes),), dtype, device) if bias else None
 
-    def load(self, shard: str, full: torch.Tensor) -> None:
+    def load(self, shard: str, full: torch.Tensor, what: str = "weight") -> None:
+        """This rank's heads of q_proj / k_proj / v_proj's `what` (weight [heads*D, hidden] or
+        bias [heads*D])."""
         total, d = self.total_heads[shard], self.head_dim
-        rows = full.view(total, d, self.hidden_size)[self.heads[shard]].reshape(-1, self.hidden_size)
+        dst = self.weight if what == "weight" else self.bias
+        if dst is None:
+            raise ValueError(f"{shard}_proj.{what}: this model's projections have no {what}")
+        tail = full.shape[1:]
+        if full.shape[0] != total * d or tuple(tail) != tuple(dst.shape[1:]):
+            raise ValueError(f"{shard}_proj.{what}: expected shape "
+                             f"{(total * d, *dst.shape[1:])}, got {tuple(full.shape)}")
+        heads = full.view(total, d, *tail)[self.heads[shard]]
+        if self.head_perm is not None and shard != "v":
+            heads = heads[:, self.head_perm]
         offset = {"q": 0, "k": self.sizes[0], "v": self.sizes[0] + self.sizes[1]}[shard]
         size = self.sizes["qkv".index(shard)]
-        _copy_checked(self.weight[offset:offset + size], rows, f"{shard}_proj rank shard")
+        _copy_checked(dst[offset:offset + size], heads.reshape(-1, *tail),
+                      f"{shard}_proj.{what} rank shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        out = self.matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class MergedColumnParallelLinear(PackableLinear):
@@ -238,16 +256,27 @@ class RowParallelLinear(PackableLinear):
     """Consumes this rank's slice `cols` of the input features; partial sums are all-reduced."""
 
     def __init__(self, cols: slice, out_features: int, tp: TPGroup, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, bias: bool = False) -> None:
         super().__init__()
         self.cols, self.tp = cols, tp
         self.weight = _param((out_features, cols.stop - cols.start), dtype, device)
+        # every rank holds the whole bias and adds it after the all-reduce
+        self.bias = _param((out_features,), dtype, device) if bias else None
 
-    def load(self, full: torch.Tensor) -> None:
-        _copy_checked(self.weight, full[:, self.cols], "row parallel shard")
+    def load(self, full: torch.Tensor, what: str = "weight") -> None:
+        if what == "bias" and self.bias is not None:
+            _copy_checked(self.bias, full, "row parallel bias")
+        elif what == "bias":
+            raise ValueError("this model's output projection has no bias")
+        elif full.dim() != 2 or full.shape[0] != self.weight.shape[0]:
+            raise ValueError(f"row parallel weight: expected {self.weight.shape[0]} rows, got "
+                             f"shape {tuple(full.shape)}")
+        else:
+            _copy_checked(self.weight, full[:, self.cols], "row parallel shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.matmul(x))
+        out = self.tp.all_reduce(self.matmul(x))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def _native_rows(*tensors: torch.Tensor) -> bool:
@@ -260,6 +289,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param((hidden_size,), dtype, device)
+
+    def load(self, full: torch.Tensor) -> None:
+        _copy_checked(self.weight, full, "norm weight")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -287,48 +319,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies for RoPE with the config's scaling ('default', 'linear', 'llama3')."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported "
-                     "(supported: default, linear, llama3)")
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves) over a precomputed cos/sin table indexed by position."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token tables [T, 1, D/2], computed once per step and shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] (any row stride) into a new contiguous tensor."""
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        out1, out2 = out.chunk(2, dim=-1)
-        torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
-        torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
-        return out
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [gate | up] (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
