@@ -145,9 +145,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, generation_config: dict | No
     try:
         import torch
         from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        restore_pre_tokenizer(tokenizer, gguf_metadata(gguf_path).get("tokenizer.ggml.pre"))
+        from transformers import AutoModelForCausalLM
+        tokenizer = gguf_tokenizer(gguf_path)
         logger.info("tokenizer read; dequantizing weights")
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
@@ -179,6 +178,15 @@ def _write_generation_config(path: Path, read: object, overrides: dict) -> None:
     values.update(overrides)
     if values:
         path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """The fast tokenizer transformers rebuilds from the GGUF's vocabulary, with what its
+    reading loses put back (the chat template comes along)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    restore_pre_tokenizer(tokenizer, gguf_metadata(gguf_path).get("tokenizer.ggml.pre"))
+    return tokenizer
 
 
 def restore_pre_tokenizer(tokenizer, pre_type: str | None) -> None:

@@ -35,10 +35,15 @@ def texts(reference):
 def test_encode_and_decode_equal_llama_cpp(reference, texts, name):
     from pagedserve.pipeline.tokenizer import load_tokenizer
     from pagedserve.workers.builtin_models import builtin_gguf
-    from pagedserve.workers.loader import default_cache_dir, resolve_model
+    from pagedserve.workers.gguf_files import gguf_tokenizer
+    from pagedserve.workers.loader import _is_complete, default_cache_dir
 
-    tokenizer = load_tokenizer(resolve_model(name))
-    gguf = builtin_gguf(name, default_cache_dir())
+    cache = default_cache_dir()
+    gguf = builtin_gguf(name, cache)
+    converted = cache / "models" / name
+    # the served tokenizer when the model is converted; else the same one, built alone (a
+    # minute, where converting the weights too would take several)
+    tokenizer = load_tokenizer(converted) if _is_complete(converted) else gguf_tokenizer(gguf)
     with reference.LlamaServer(reference.llama_server_binary(), gguf) as server:
         result = reference.compare(tokenizer, server, texts)
     assert result.encode_equal == result.decode_equal == NUM_TEXTS, result.summary()
