@@ -12,7 +12,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def rope(cfg: dict) -> tuple[float, dict | None]:
-    """transformers 5 puts theta and scaling in rope_parameters; 4 used rope_theta + rope_scaling."""
+    """(theta, scaling): transformers 5 keeps both in rope_parameters, 4 in rope_theta and
+    rope_scaling."""
     params = dict(cfg.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ModelLoadError(f"config: per-layer-type rope_parameters are not supported for "

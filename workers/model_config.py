@@ -101,7 +101,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
-        """From a transformers PretrainedConfig or a config.json dict (transformers 4 or 5 style)."""
+        """From a transformers PretrainedConfig or a config.json dict (transformers 4 or 5)."""
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         architecture = _architecture(cfg)
         if architecture == "gemma3" and isinstance(cfg.get("text_config"), dict):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.workers.loader import ModelLoadError, iter_weights, load_config
 from pagedserve.workers.models import REGISTRY, model_class
-from pagedserve.workers.model_config import SUPPORTED
+from pagedserve.workers.model_config import SUPPORTED, ModelConfig
 from pagedserve.workers.testing import hf_greedy, make_tiny_model
 from pagedserve.workers.tp_launch import RankSpec, TPWorkers
 from test_worker_core import make_core, run_greedy
@@ -80,6 +80,19 @@ def test_configs_read_each_familys_features(model_dirs):
     assert (glm.rotary_dim, glm.rope_interleaved, glm.qkv_bias) == (8, True, True)
 
 
+def test_gemma3_with_a_vision_tower_serves_its_text_model():
+    from transformers import AutoConfig
+    text = {k: v for k, v in GEMMA3.items() if k not in ("bos_token_id", "eos_token_id")}
+    outer = AutoConfig.for_model("gemma3", text_config=text, eos_token_id=[1, 106])
+    config = ModelConfig.from_hf(outer)
+    assert (config.architecture, config.num_hidden_layers, config.head_dim) == ("gemma3", 4, 256)
+    assert config.layer_windows == (11, 0, 11, 0) and config.eos_token_ids == (1, 106)
+    model = model_class("gemma3")(config)
+    assert model.checkpoint_name("model.language_model.layers.0.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert model.checkpoint_name("model.vision_tower.vision_model.post_layernorm.weight") is None
+
+
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_greedy_equals_transformers(model_dirs, arch):
     model_dir, batch = model_dirs[arch], prompts(seed=len(arch))
@@ -123,9 +136,9 @@ def test_missing_and_misshapen_tensors_are_named(model_dirs, tmp_path):
     with pytest.raises(ValueError, match=rf"weight '{bias}': k_proj.bias: expected shape \(16,\), "
                                          rf"got \(15,\)"):
         model.load_weights((n, t[:15] if n == bias else t) for n, t in iter_weights(glm))
-    qwen = model_dirs["qwen2"]
-    broken = _rewrite(qwen, tmp_path, lambda ts: {**ts, "model.layers.0.mlp.up_proj.weight":
-                                                  ts["model.layers.0.mlp.up_proj.weight"][:, :8].contiguous()})
+    up = "model.layers.0.mlp.up_proj.weight"
+    broken = _rewrite(model_dirs["qwen2"], tmp_path,
+                      lambda ts: {**ts, up: ts[up][:, :8].contiguous()})
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight'.*expected shape "
                                          r"\(96, 64\), got \(96, 8\)"):
         make_core(broken)

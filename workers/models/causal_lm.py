@@ -33,8 +33,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         h = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=device),
-                                         requires_grad=False)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
         self.layers = nn.ModuleList(self.layer_class(config, i, tp, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = self.layer_class.norm_class(h, config.rms_norm_eps, dtype, device)
@@ -128,7 +128,8 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: {e}") from e
             expected.discard(name)
         if expected:
-            raise ValueError(f"checkpoint is missing {len(expected)} tensors, e.g. {sorted(expected)[:4]}")
+            raise ValueError(f"checkpoint is missing {len(expected)} tensors, "
+                             f"e.g. {sorted(expected)[:4]}")
 
     def _expected_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
