@@ -93,6 +93,20 @@ def check_triton_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     require(head_dim >= 16, f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}")
 
 
+# The most bytes of one K (or V) tile a Triton attention kernel loads at a time, in the query's
+# dtype: K and V tiles and their dot operands go through shared memory (fp32, head_dim 256, 64
+# tokens: ~150 KB on sm_90, of its 227 KB). Every tile of head sizes up to 128 fits as it is.
+KV_TILE_BYTES = 64 * 1024
+
+
+def kv_tile_tokens(tokens: int, block_d: int, element_bytes: int) -> int:
+    """`tokens` (a power of two), halved until a [tokens, block_d] tile of elements of this size
+    (the query's) fits KV_TILE_BYTES (at least 16: tl.dot's smallest)."""
+    while tokens > 16 and tokens * block_d * element_bytes > KV_TILE_BYTES:
+        tokens //= 2
+    return tokens
+
+
 def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """Allocate a kernel's output (uninitialized; tests swap this for a NaN-filled one)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
-                      dot_precision, require, triton_dtype)
+                      dot_precision, kv_tile_tokens, require, triton_dtype)
 from ._workspace import scratch
 from .kv_format import load_kv, raw, triton_format
 
@@ -124,15 +124,16 @@ def _paged_decode_kernel(
     # are one tl.dot. A tile is BLOCK_N tokens (several cache blocks: more loads in flight).
     # Without SPLIT there is one partition and the program writes the output; with SPLIT it
     # writes its normalised partial output and (max, sum) for _paged_decode_reduce_kernel.
-    # A window > 0 shows keys [first, context_len) only; partitions then count from the block
-    # holding `first`, so blocks wholly before it are never read.
+    # A window > 0 shows keys [first, context_len) only; partitions then count from the tile
+    # holding `first` (so every tile sees a key), and the masked loads never touch a block wholly
+    # before it.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
     first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
-    start = first - first % BLOCK_SIZE + part * partition_tokens
+    start = first - first % BLOCK_N + part * partition_tokens
     end = tl.minimum(context_len, start + partition_tokens)
 
     group = tl.arange(0, BLOCK_G)
@@ -214,8 +215,9 @@ def _paged_decode_reduce_kernel(
 PARTITION_TOKENS = 512
 
 
-def _tile_tokens(block_size: int) -> int:
-    return max(64, block_size)
+def _tile_tokens(block_size: int, block_d: int, element_bytes: int) -> int:
+    """Keys per tile: several cache blocks (more loads in flight), fewer for wide fp32 heads."""
+    return kv_tile_tokens(max(64, block_size), block_d, element_bytes)
 
 
 def _num_partitions(num_seqs: int, num_kv_heads: int, max_tokens: int,
@@ -248,14 +250,15 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if num_seqs == 0:
         return out
     block_size = k_cache.shape[1]
-    tile = _tile_tokens(block_size)
+    block_d = triton.next_power_of_2(head_dim)
+    tile = _tile_tokens(block_size, block_d, q.element_size())
     max_tokens = block_tables.shape[1] * block_size
-    if window > 0:      # a row's keys lie in the blocks from its window's first on
-        max_tokens = min(max_tokens, window + block_size - 1)
+    if window > 0:      # a row's keys lie in the tiles from its window's first on
+        max_tokens = min(max_tokens, window + tile - 1)
     parts = num_partitions or _num_partitions(num_seqs, num_kv_heads, max_tokens, q.device)
     partition_tokens = triton.cdiv(triton.cdiv(max_tokens, parts), tile) * tile
     group_size = num_q_heads // num_kv_heads
-    block_g, block_d = max(16, triton.next_power_of_2(group_size)), triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group_size))
     split = parts > 1
     if split:
         rows = num_seqs * num_kv_heads * block_g * parts

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import _checks
 from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
-                      dot_precision, require, triton_dtype)
+                      dot_precision, kv_tile_tokens, require, triton_dtype)
 from .kv_format import load_kv, raw, triton_format
 
 
@@ -104,12 +104,13 @@ def _paged_prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head,
     group_size, head_dim, window,
-    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, DTYPE: tl.constexpr,
 ):
     # One program per (tile of BLOCK_M query rows, sequence, query head); it walks the
     # sequence's pages up to the tile's last query position with an online softmax, from the
-    # page of the tile's first row's window start when window > 0.
+    # page of the tile's first row's window start when window > 0. It reads BLOCK_N keys at a
+    # time (a page, or a part of one where a whole page's K/V would not fit in shared memory).
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     q_head = tl.program_id(2)
@@ -121,7 +122,7 @@ def _paged_prefill_kernel(
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    offsets = tl.arange(0, BLOCK_N)
     row_valid = rows < q_len
     query_pos = prefix_len + rows
     q_mask = row_valid[:, None] & (dims[None, :] < head_dim)
@@ -138,11 +139,13 @@ def _paged_prefill_kernel(
                           tl.maximum(prefix_len + tile * BLOCK_M - window + 1, 0) // BLOCK_SIZE,
                           0)
     head_base = kv_head * stride_cache_head
-    for logical_block in range(first_page, num_pages):
-        block = tl.load(block_tables_ptr + seq * stride_table + logical_block).to(tl.int64)
-        key_pos = logical_block * BLOCK_SIZE + offsets
+    for key_start in range(first_page * BLOCK_SIZE, num_pages * BLOCK_SIZE, BLOCK_N):
+        block = tl.load(block_tables_ptr + seq * stride_table + key_start // BLOCK_SIZE)
+        block = block.to(tl.int64)
+        key_pos = key_start + offsets
         kv_mask = (key_pos[:, None] < context_len) & (dims[None, :] < head_dim)
-        kv_offsets = (block * stride_cache_block + offsets[:, None] * stride_cache_offset
+        kv_offsets = (block * stride_cache_block
+                      + (key_start % BLOCK_SIZE + offsets)[:, None] * stride_cache_offset
                       + head_base + dims[None, :])
         k = load_kv(k_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
         v = load_kv(v_cache_ptr + kv_offsets, kv_mask, KV_FORMAT, DTYPE)
@@ -186,6 +189,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_m = 32
+    block_size, block_d = k_cache.shape[1], triton.next_power_of_2(head_dim)
+    tile = kv_tile_tokens(block_size, block_d, q.element_size())
     grid = (triton.cdiv(num_tokens, block_m), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
         q, raw(k_cache), raw(v_cache), block_tables, cu_seqlens_q, context_lens, out,
@@ -193,7 +198,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads // num_kv_heads, head_dim, max(window, 0),
-        BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=tile, BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype), KV_FORMAT=triton_format(k_cache.dtype),
         DTYPE=triton_dtype(q.dtype),
     )

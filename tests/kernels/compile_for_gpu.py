@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pagedserve.kernels._checks import kv_tile_tokens  # noqa: E402
 from pagedserve.kernels.kv_format import triton_format  # noqa: E402
 
 ACT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -25,6 +26,12 @@ ACT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 CACHES = [("bf16", "bf16", torch.bfloat16), ("fp32", "fp32", torch.float32),
           ("bf16", "u8", torch.float8_e4m3fn)]
 BLOCK_SIZES = (16, 128)   # the smallest tiles and the largest (most shared memory)
+# head sizes: 64 at every block size, 256 (Gemma's) at the largest, where fp32 tiles are cut to
+# fit shared memory (kernels/_checks.py: kv_tile_tokens)
+HEAD_DIMS = {16: (64,), 128: (64, 256)}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# the most shared memory a block may use, by architecture (sm_90: 227 KB, sm_80: 163 KB)
+SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
 def signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -34,32 +41,44 @@ def signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
             for name in fn.arg_names if name not in constexprs}
 
 
+def _attention_variants(decode, prefill, act, cache, fmt, block_size, head_dim):
+    """Decode (whole, and split at head size 64) and prefill with the tiles their wrappers pick
+    for this shape."""
+    dot = "ieee" if act == "fp32" else "tf32"
+    shape = f"bs{block_size}" + ("" if head_dim == 64 else f" d{head_dim}")
+    for split in (False, True) if head_dim == 64 else (False,):   # split: the same tiles
+        ptrs = dict(q_ptr=act, k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="i32",
+                    context_lens_ptr="i32", out_ptr=act, part_out_ptr="fp32", part_ml_ptr="fp32")
+        yield (f"decode {act}/{cache} {shape}{' split' if split else ''}",
+               decode._paged_decode_kernel, ptrs,
+               dict(BLOCK_SIZE=block_size,
+                    BLOCK_N=decode._tile_tokens(block_size, head_dim, ELEMENT_BYTES[act]),
+                    BLOCK_G=16, BLOCK_D=head_dim, SPLIT=split, DOT_PRECISION=dot, KV_FORMAT=fmt,
+                    DTYPE=ACT[act]))
+    ptrs = dict(q_ptr=act, k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="i32",
+                cu_seqlens_ptr="i32", context_lens_ptr="i32", out_ptr=act)
+    yield (f"prefill {act}/{cache} {shape}", prefill._paged_prefill_kernel, ptrs,
+           dict(BLOCK_M=32, BLOCK_SIZE=block_size,
+                BLOCK_N=kv_tile_tokens(block_size, head_dim, ELEMENT_BYTES[act]),
+                BLOCK_D=head_dim, DOT_PRECISION=dot, KV_FORMAT=fmt, DTYPE=ACT[act]))
+
+
 def variants():
     decode = importlib.import_module("pagedserve.kernels.paged_decode_attention")
     prefill = importlib.import_module("pagedserve.kernels.paged_prefill_attention")
     store = importlib.import_module("pagedserve.kernels.store_kv")
     copy = importlib.import_module("pagedserve.kernels.copy_blocks")
     for (act, cache, cache_dtype), block_size in itertools.product(CACHES, BLOCK_SIZES):
-        fmt = triton_format(cache_dtype)
-        dot = "ieee" if act == "fp32" else "tf32"
-        for split in (False, True):
-            ptrs = dict(q_ptr=act, k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="i32",
-                        context_lens_ptr="i32", out_ptr=act, part_out_ptr="fp32",
-                        part_ml_ptr="fp32")
-            yield (f"decode {act}/{cache} bs{block_size}{' split' if split else ''}",
-                   decode._paged_decode_kernel, ptrs,
-                   dict(BLOCK_SIZE=block_size, BLOCK_N=decode._tile_tokens(block_size),
-                        BLOCK_G=16, BLOCK_D=64, SPLIT=split, DOT_PRECISION=dot, KV_FORMAT=fmt,
-                        DTYPE=ACT[act]))
-        ptrs = dict(q_ptr=act, k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="i32",
-                    cu_seqlens_ptr="i32", context_lens_ptr="i32", out_ptr=act)
-        yield (f"prefill {act}/{cache} bs{block_size}", prefill._paged_prefill_kernel, ptrs,
-               dict(BLOCK_M=32, BLOCK_SIZE=block_size, BLOCK_D=64, DOT_PRECISION=dot, KV_FORMAT=fmt,
-                    DTYPE=ACT[act]))
+        for head_dim in HEAD_DIMS[block_size]:
+            yield from _attention_variants(decode, prefill, act, cache, triton_format(cache_dtype),
+                                           block_size, head_dim)
     for act in ACT:
         yield (f"decode reduce -> {act}", decode._paged_decode_reduce_kernel,
                dict(part_out_ptr="fp32", part_ml_ptr="fp32", out_ptr=act),
                dict(BLOCK_G=16, BLOCK_P=16, BLOCK_D=64))
+    yield ("decode reduce -> bf16 d256", decode._paged_decode_reduce_kernel,
+           dict(part_out_ptr="fp32", part_ml_ptr="fp32", out_ptr="bf16"),
+           dict(BLOCK_G=16, BLOCK_P=16, BLOCK_D=256))
     for cache in ("bf16", "fp32", "u8"):
         yield (f"store_kv -> {cache}", store._store_kv_kernel,
                dict(key_ptr=cache, value_ptr=cache, k_cache_ptr=cache, v_cache_ptr=cache,
@@ -77,6 +96,9 @@ def main(archs: list[int]) -> int:
             try:
                 compiled = triton.compile(ASTSource(fn, sig, constexprs), target=target)
                 assert compiled.asm.get("cubin"), "no cubin"
+                shared, limit = compiled.metadata.shared, SHARED_LIMIT.get(arch)
+                assert limit is None or shared <= limit, (
+                    f"{shared} B of shared memory, over sm_{arch}'s {limit}")
                 print(f"sm_{arch} {name}: ok ({compiled.metadata.shared} B shared memory)")
             except Exception as e:  # report every failing variant, not just the first
                 failures += 1

@@ -114,3 +114,34 @@ def window_case(gen, context_lens, q_lens, block_size, head_dim, num_q_heads, nu
                       torch.tensor(cu, dtype=torch.int32, device=device),
                       torch.tensor(context_lens, dtype=torch.int32, device=device), scale,
                       window, expected)
+
+
+@dataclass
+class ChunkStep:
+    """One chunk of a chunked prefill: its queries and the expected output."""
+    q: torch.Tensor
+    start: int               # the chunk's first position
+    context_len: int         # start + its length
+    expected: torch.Tensor
+
+
+def chunked_prefill(gen, prompt_len, chunk, block_size, window, head_dim=64, num_q_heads=4,
+                    num_kv_heads=2):
+    """(k_cache, v_cache, table [1, W], scale, steps): a prompt prefilled `chunk` tokens at a time
+    over a filled cache; each step poisons the blocks its first window leaves behind (NaN, as a
+    scheduler frees them) when it is reached, so iterate the steps in order."""
+    num_blocks = math.ceil(prompt_len / block_size) + 2
+    kv_cache = make_kv_cache(gen, 1, num_blocks, block_size, num_kv_heads, head_dim,
+                             torch.float32)
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+    table = shuffled_block_tables(gen, [prompt_len], block_size, num_blocks)
+    scale = head_dim ** -0.5
+
+    def steps():
+        for start in range(0, prompt_len, chunk):
+            end = min(start + chunk, prompt_len)
+            poison_before_windows(k_cache, v_cache, table, [start], window)
+            q = torch.randn(end - start, num_q_heads, head_dim, generator=gen)
+            yield ChunkStep(q, start, end, naive_attention(q, k_cache, v_cache, table[0], end,
+                                                           end - start, scale, window))
+    return k_cache, v_cache, table, scale, steps()
