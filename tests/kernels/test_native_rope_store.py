@@ -36,7 +36,8 @@ def _torch_path(qkv, cos, sin, cache, slots, nq, nkv, d):
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,nq,nkv,d", [(1, 9, 3, 64), (64, 9, 3, 64), (37, 4, 4, 128),
-                                             (300, 8, 1, 40), (5, 2, 2, 2)])
+                                             (300, 8, 1, 40), (5, 2, 2, 2), (9, 14, 2, 256),
+                                             (3, 16, 1, 256)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_rope_then_store_kv(rng, cache_dtype, tokens, nq, nkv, d, threads):
     qkv, cos, sin, slots, cache = _inputs(rng, tokens, nq, nkv, d, num_blocks=24,
@@ -55,7 +56,8 @@ def test_matches_rope_then_store_kv(rng, cache_dtype, tokens, nq, nkv, d, thread
         assert (cache != expected_cache).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("tokens,nq,nkv,d", [(1, 9, 3, 64), (64, 9, 3, 64), (300, 8, 1, 40)])
+@pytest.mark.parametrize("tokens,nq,nkv,d", [(1, 9, 3, 64), (64, 9, 3, 64), (300, 8, 1, 40),
+                                             (9, 14, 2, 256)])
 def test_bf16_model_rounds_the_exact_rotation_once(rng, tokens, nq, nkv, d):
     # bf16 products are exact in fp32, so rotating in fp32 and rounding once gives the exact
     # rotation's rounding; torch's bf16 ops round twice (mul, then addcmul): an ulp off at times
