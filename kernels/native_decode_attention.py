@@ -81,8 +81,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def vector_lanes() -> int:
     """The lanes of the vector body the library was built with: 16 (AVX-512), 8 (AVX2 + FMA),
-    0 (portable only). Head sizes other than 64 and 128, and GQA groups over 8, take the portable
-    body in every build."""
+    0 (portable only). Head sizes other than 64 and 128 (and 256 with AVX-512), and GQA groups
+    over 8, take the portable body."""
     lib = native.library(FEATURE)
     if lib is None:
         raise ValueError(f"native_decode_attention.vector_lanes: "

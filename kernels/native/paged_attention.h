@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) int attend_##SUFFIX(               
 }
 
 
-/* ---- vector path: decode_fixed for head sizes 64 and 128 and GQA groups up to 8 ----------
+/* ---- vector path: decode_fixed for head sizes 64, 128 (256: AVX-512) and GQA groups to 8 --
  * One body for two ISAs: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), chosen at compile time by
  * -march=native; other CPUs and other shapes take the portable attend_* path. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -257,11 +257,15 @@ static inline vec v_pow2i(vec p, vec i) {   /* p * 2^i for integral i in [-126, 
 }
 #endif
 
-/* Register arrays are sized for the largest case (D = 128) and indexed by the constants G and
- * NV: arrays sized by NV would be variable-length, which GCC places on the stack (an alloca per
- * token, the rows in memory) before inlining makes NV a constant. Fixed sizes: 5-9% faster
+/* Register arrays are sized for the largest case (MAX_VECTOR_D) and indexed by the constants G
+ * and NV: arrays sized by NV would be variable-length, which GCC places on the stack (an alloca
+ * per token, the rows in memory) before inlining makes NV a constant. Fixed sizes: 5-9% faster
  * (AVX2, 2 threads, SmolLM2 heads, b64/b256 x 512, fp32 and bf16 caches), same results. */
-#define MAX_NV (128 / VW)
+/* The widest head the vector body takes: 256 with AVX-512 (1.2-1.8x the portable body, 1 thread,
+ * bf16, b16 x 512, groups 2 and 8); AVX2's 16 registers made 256 slower than portable (groups 4
+ * and 8: 1.3-2x), so it stays at 128 there. */
+#define MAX_VECTOR_D (VW == 16 ? 256 : 128)
+#define MAX_NV (MAX_VECTOR_D / VW)
 
 /* exp(x) for x <= 0 lanes, the polynomial of exp_nonpos. */
 static inline vec v_exp(vec x) {
@@ -476,7 +480,8 @@ static inline __attribute__((always_inline)) int decode_fixed(
     return 0;
 }
 
-/* Specialized decode tasks for D in {64, 128} and G in 1..8; -100 when none fits. */
+/* Specialized decode tasks for D in {64, 128} (and 256 with AVX-512) and G in 1..8; -100 when
+ * none fits. */
 #define DECODE_CASE(D_, G_, FMT_)                                                              \
     case (D_) * 16 + (G_):                                                                     \
         return decode_fixed(q, k_cache, v_cache, stride_blk, stride_tok, stride_head,          \
@@ -486,16 +491,24 @@ static inline __attribute__((always_inline)) int decode_fixed(
     DECODE_CASE(D_, 1, FMT_) DECODE_CASE(D_, 2, FMT_) DECODE_CASE(D_, 3, FMT_)                 \
     DECODE_CASE(D_, 4, FMT_) DECODE_CASE(D_, 5, FMT_) DECODE_CASE(D_, 6, FMT_)                 \
     DECODE_CASE(D_, 7, FMT_) DECODE_CASE(D_, 8, FMT_)
+#if VW == 16
+#define DECODE_CASES_256(FMT_) DECODE_CASES(256, FMT_)
+#else
+#define DECODE_CASES_256(FMT_)
+#endif
 #define DEFINE_DECODE_FIXED(SUFFIX, FMT_)                                                      \
 static int decode_fixed_##SUFFIX(                                                             \
         const float *q, const void *k_cache, const void *v_cache, int64_t stride_blk,          \
         int64_t stride_tok, int64_t stride_head, const int32_t *table, int64_t num_blocks,    \
         int block_size, int64_t k0, int64_t k1, int num_kv_heads, int head_dim, int group,    \
         float scale, float *scores, float *part_m, float *part_l, float *part_acc) {           \
-    if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128)) return -100;           \
+    if (group < 1 || group > 8 || head_dim > MAX_VECTOR_D                                     \
+        || (head_dim != 64 && head_dim != 128 && head_dim != 256))                           \
+        return -100;                                                                          \
     switch (head_dim * 16 + group) {                                                          \
         DECODE_CASES(64, FMT_)                                                                \
         DECODE_CASES(128, FMT_)                                                               \
+        DECODE_CASES_256(FMT_)                                                                \
     }                                                                                         \
     return -100;                                                                              \
 }

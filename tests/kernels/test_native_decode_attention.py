@@ -68,11 +68,13 @@ def test_sliding_window_matches_naive_and_skips_dead_blocks(rng, monkeypatch, dt
     (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2),
     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
     (torch.bfloat16, torch.float8_e5m2)])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (10, 1, 40)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (10, 1, 40),
+                                                             (8, 2, 256)])
 def test_narrow_caches_match_the_reference(rng, cache_dtype, q_dtype, num_q_heads, num_kv_heads,
                                            head_dim):
-    # fp8 (and bf16 under fp32) caches, kernels/kv_format.py: the vector path (64) and the
-    # portable one (40, a group of 10) against the reference, which widens with torch.
+    # fp8 (and bf16 under fp32) caches, kernels/kv_format.py: the vector path (64; 256 with
+    # AVX-512) and the portable one (40, a group of 10) against the reference, which widens with
+    # torch.
     context_lens = [70, 1, 17, 1100, 5, 513]
     q, k_cache, v_cache, tables, lens, scale = _inputs(rng, context_lens, num_q_heads,
                                                        num_kv_heads, 16, head_dim, torch.float32)
