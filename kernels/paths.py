@@ -147,9 +147,11 @@ def lm_head_path(device_type: str, dtype: torch.dtype, quantization: str,
 
 
 def _vector_body(head_dim: int) -> str:
-    if head_dim not in (64, 128):
+    if head_dim not in (64, 128, 256):
         return f"portable body: head_dim {head_dim}"
     lanes = native_decode_attention.vector_lanes()
+    if head_dim == 256 and lanes != 16:     # paged_attention.h: MAX_VECTOR_D
+        return f"portable body: head_dim {head_dim}"
     return {16: "AVX-512 body", 8: "AVX2 body"}.get(lanes, "portable body")
 
 

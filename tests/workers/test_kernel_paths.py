@@ -93,6 +93,9 @@ def test_vector_body_named_is_the_one_built():
         lanes, "native (portable body)")
     assert paths.kernel_paths("cpu", torch.float32, head_dim=40)["decode attention"].kernel == \
         "native (portable body: head_dim 40)"
+    wide = paths.kernel_paths("cpu", torch.float32, head_dim=256)["decode attention"].kernel
+    assert wide == ("native (AVX-512 body)" if lanes == 16
+                    else "native (portable body: head_dim 256)")
 
 
 @pytest.mark.parametrize("switch", [True, False])
