@@ -44,6 +44,15 @@ FAMILIES = {
 SEEDS = {"gemma3": 2}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on one thread: a second one only adds OpenMP's spinning on a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
