@@ -104,7 +104,19 @@ def test_gemma3_with_a_vision_tower_serves_its_text_model():
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_greedy_equals_transformers(model_dirs, arch):
-    model_dir, batch = model_dirs[arch], prompts(seed=len(arch))
+    check_greedy(model_dirs[arch], prompts(seed=len(arch)))
+
+
+def test_qwen3_with_attention_bias_equals_transformers(tmp_path):
+    # attention_bias puts a bias on q/k/v and on o_proj (added after the all-reduce)
+    model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=2,
+                                **{**FAMILIES["qwen3"], "attention_bias": True})
+    config = load_config(model_dir)
+    assert config.qkv_bias and config.o_bias
+    check_greedy(model_dir, prompts(seed=5))
+
+
+def check_greedy(model_dir, batch):
     expected = hf_greedy(model_dir, batch, 48)
     assert expected[0] != expected[1] and min(len(set(ids)) for ids in expected) > 8
     ours = run_greedy(make_core(model_dir, num_blocks=48).execute, batch, 48, chunk=5,
