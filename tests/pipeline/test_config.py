@@ -63,7 +63,7 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
     from pagedserve.pipeline.config import EngineConfig
     from pagedserve.pipeline.engine_group import _config_to_argv
     given = dict(served_model_name="m", dtype="float32", quantization="int8", max_model_len=999,
-                 seed=7,
+                 seed=7, generation_config="vllm", chat_template="{{ messages }}",
                  block_size=32, kv_cache_memory="3MiB", gpu_memory_utilization=0.5,
                  swap_space=0.25, enable_prefix_caching=False, kv_cache_dtype="fp8",
                  tensor_parallel_size=2, device="cpu", cpu_threads=3, enforce_eager=True,
