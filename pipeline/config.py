@@ -42,7 +42,7 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(slots=True)
 class ModelArgs:
-    model: str = "SmolLM2-135M-Instruct"
+    model: str = "Qwen2.5-Coder-0.5B-Instruct"
     served_model_name: str | None = None
     # auto: bfloat16 where the device has native bf16 matmuls, else float32 (CPU) / float16
     # (CUDA); see workers/build.py resolve_dtype. float32 for exact reference checks.

@@ -24,7 +24,7 @@ class LLM:
     launcher's processes); with `in_process=True` on an EngineCore in this process (tensor
     parallel size 1): the same scheduler, worker and detokenizer, stepped by `generate`."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", *, in_process: bool = False,
+    def __init__(self, model: str = "Qwen2.5-Coder-0.5B-Instruct", *, in_process: bool = False,
                  **engine_kwargs: Any):
         self._group = self._client = self._core = None
         if in_process:
@@ -137,7 +137,7 @@ class AsyncLLM:
         self.tokenizer = group.tokenizer
 
     @classmethod
-    async def create(cls, model: str = "SmolLM2-135M-Instruct", **engine_kwargs: Any) -> "AsyncLLM":
+    async def create(cls, model: str = "Qwen2.5-Coder-0.5B-Instruct", **engine_kwargs: Any) -> "AsyncLLM":
         import asyncio
         loop = asyncio.get_running_loop()
         group = await loop.run_in_executor(None, lambda: EngineGroup(model=model, **engine_kwargs))

@@ -28,10 +28,10 @@ from pagedserve.kvmanager import KVCacheManager  # noqa: E402
 def sharegpt_lengths(num_samples: int, max_model_len: int, seed: int,
                      dataset: str | None = None) -> list[tuple[int, int]]:
     """(prompt tokens, reply tokens) of first turns, tokenized with the default model."""
-    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.workers.loader import TEST_MODEL, resolve_model
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    tokenizer = load_tokenizer(resolve_model(TEST_MODEL))
     pairs = sharegpt.sample_first_turns(num_samples, seed, dataset)
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     replies = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]

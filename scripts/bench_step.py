@@ -32,7 +32,7 @@ import bench_record  # noqa: E402
 
 from pagedserve.kernels import native_decode_attention  # noqa: E402
 from pagedserve.kernels.kv_format import KV_CACHE_DTYPES, resolve_kv_cache_dtype, to_storage  # noqa: E402
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
+from pagedserve.workers.loader import TEST_MODEL, load_config, resolve_model  # noqa: E402
 from pagedserve.workers.model_runner import ModelRunner, SeqStep  # noqa: E402
 
 
@@ -161,7 +161,7 @@ def bench_hf(model_dir: Path, random_weights: bool, config, context: int, dtype:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=TEST_MODEL)
     parser.add_argument("--random-weights", action="store_true",
                         help="skip loading: random weights of the model's real shapes")
     parser.add_argument("--batch-sizes", default="1,16,64,256")

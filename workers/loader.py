@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, builtin_gguf
+from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, TEST_MODEL, builtin_gguf  # noqa: F401
 from pagedserve.workers.gguf_files import check_gguf, convert_gguf
 from pagedserve.workers.load_error import ModelLoadError
 # ModelConfig and the architecture table live in workers/model_config.py; re-exported here.

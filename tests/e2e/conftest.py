@@ -6,14 +6,14 @@ import os
 import psutil
 import pytest
 
-from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, resolve_model
 
 from pagedserve.pipeline.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return resolve_model(DEFAULT_MODEL)
+    return resolve_model(TEST_MODEL)
 
 
 @pytest.fixture(scope="session")

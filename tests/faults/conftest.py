@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.client import EngineClient
-from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 
 TOPICS = ["the sea", "mountains", "a robot", "bread", "the moon", "rivers", "chess", "winter",
@@ -33,7 +33,7 @@ def sampled(i: int, max_tokens: int = 20) -> SamplingParams:
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return resolve_model(DEFAULT_MODEL)
+    return resolve_model(TEST_MODEL)
 
 
 @pytest.fixture(scope="session")

@@ -209,10 +209,10 @@ def test_cjk_and_emoji_byte_fallback_sentencepiece():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.workers.loader import TEST_MODEL, resolve_model
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+    return load_tokenizer(resolve_model(TEST_MODEL))
 
 
 @pytest.mark.slow

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.workers.loader import TEST_MODEL, resolve_model
     from pagedserve.pipeline.tokenizer import load_tokenizer
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+    return load_tokenizer(resolve_model(TEST_MODEL))
 
 
 def test_chat_template_tokens_and_logprob_bytes(smollm2_tokenizer):

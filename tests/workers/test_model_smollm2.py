@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from test_worker_core import make_core, run_greedy
-from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.testing import hf_greedy
 
@@ -24,7 +24,7 @@ PROMPTS = [
 
 @pytest.mark.slow
 def test_smollm2_greedy_32_tokens_match_transformers():
-    model_dir = resolve_model(DEFAULT_MODEL)
+    model_dir = resolve_model(TEST_MODEL)
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     core = make_core(model_dir, num_blocks=8 * 6 + 13)

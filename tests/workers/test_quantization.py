@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import native_linear_q8
 from test_model import all_row_logits
-from pagedserve.workers.loader import DEFAULT_MODEL, load_config, resolve_model
+from pagedserve.workers.loader import TEST_MODEL, load_config, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.models.layers import PackableLinear
@@ -94,7 +94,7 @@ def test_int8_outside_fp32_cpu_is_refused_at_start(tmp_path, dtype, device, matc
 def test_smollm2_int8_predicts_like_fp32():
     """Teacher-forced on ordinary text: int8 picks fp32's next token almost everywhere and costs
     a little perplexity (here: 94% of argmaxes, 26.55 -> 27.21; ShareGPT text: 10.57 -> 10.67)."""
-    model_dir = resolve_model(DEFAULT_MODEL)
+    model_dir = resolve_model(TEST_MODEL)
     tokens = load_tokenizer(model_dir).encode(TEXT)
     blocks = -(-len(tokens) // BLOCK_SIZE)
     exact = prefill_logits(runner(model_dir, "none", blocks), tokens)

@@ -60,10 +60,10 @@ def test_tp2_bf16_matches_tp1_bf16(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_matches_tp1_on_smollm2():
-    from pagedserve.workers.loader import DEFAULT_MODEL, resolve_model
+    from pagedserve.workers.loader import TEST_MODEL, resolve_model
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
-    model_dir = resolve_model(DEFAULT_MODEL)
+    model_dir = resolve_model(TEST_MODEL)
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
                                               "Once upon a time, in a small village,")]
