@@ -86,3 +86,36 @@ def test_llm_in_process_generates_like_the_engine(tiny_dir):
     assert all(o.finish_reason == "length" for out in outs for o in out.outputs)
     assert llm.stats()["num_unfinished_requests"] == 0
     llm.close()
+
+
+def test_a_windowed_model_holds_only_its_window_and_equals_transformers(tmp_path):
+    """Mistral-style: every layer windowed (W=16, blocks of 8). Generating 4x the window, each
+    sequence holds at most W/bs + 2 blocks at every step (the slid-out blocks go back to the
+    pool, the kernels never read them), the tokens equal transformers', the pool ends empty."""
+    from pagedserve.workers.testing import make_tiny_model
+    window, block = 16, 8
+    path = make_tiny_model(tmp_path / "mistral", "mistral", seed=3, vocab_size=259,
+                           hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           sliding_window=window, max_position_embeddings=512,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    make_tiny_tokenizer().save_pretrained(path)
+    core = EngineCore.build(EngineConfig.from_kwargs(**engine_kwargs(path)))
+    assert core.scheduler.kv.stats().gpu_blocks_used == 0
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (20, 9)]
+    params = SamplingParams(max_tokens=4 * window, ignore_eos=True, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        core.submit(messages.AddRequest(request_id=f"w{i}", prompt_token_ids=prompt,
+                                        sampling=params, arrival_time=float(i)))
+    tokens = {f"w{i}": [] for i in range(len(prompts))}
+    peak, steps = 0, 0
+    while core.has_unfinished():
+        for msg in core.step(float(steps)):
+            for delta in msg.deltas:
+                tokens[delta.request_id] += delta.token_ids
+        peak = max(peak, core.scheduler.kv.stats().gpu_blocks_used)
+        steps += 1
+    assert peak <= len(prompts) * (window // block + 2)
+    assert [tokens[f"w{i}"] for i in range(len(prompts))] == hf_greedy(path, prompts, 4 * window)
+    assert core.scheduler.kv.stats().gpu_blocks_used == 0
