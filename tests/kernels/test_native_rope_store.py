@@ -10,7 +10,7 @@ from native_variants import PER_VARIANT
 
 from pagedserve.kernels import native_rope_store
 from pagedserve.kernels.store_kv import store_kv_ref
-from pagedserve.workers.models.layers import RotaryEmbedding
+from pagedserve.workers.models.rotary import RotaryEmbedding
 
 pytestmark = PER_VARIANT
 

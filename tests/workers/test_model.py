@@ -9,7 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedserve.workers.loader import load_config
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
-from pagedserve.workers.models.layers import partition_heads, rope_inv_freq
+from pagedserve.workers.models.layers import partition_heads
+from pagedserve.workers.models.rotary import rope_inv_freq
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 64

@@ -20,11 +20,11 @@ from pagedserve.workers.distributed import TPGroup
 from pagedserve.workers.model_config import ModelConfig
 from pagedserve.workers.models.attention import AttentionMetadata, attend, paged_attention
 from pagedserve.workers.models.layers import (MergedColumnParallelLinear, QKVParallelLinear,
-                                              RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                              RMSNorm, RowParallelLinear,
                                               even_split, gelu_tanh_and_mul,
                                               native_cpu_elementwise, partition_heads,
                                               silu_and_mul)
-from pagedserve.workers.models.rotary import head_perm
+from pagedserve.workers.models.rotary import RotaryEmbedding, head_perm
 
 ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 

@@ -18,7 +18,6 @@ from pagedserve.kernels import native, native_elementwise, native_linear, native
 from pagedserve.kernels.paths import bf16_prepack_supported, native_cpu_elementwise  # noqa: F401
 from pagedserve.pipeline.config import QUANTIZATIONS
 from pagedserve.workers.distributed import TPGroup
-from pagedserve.workers.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
 
 
 def even_split(n: int, parts: int, index: int) -> slice:
