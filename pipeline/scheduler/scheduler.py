@@ -28,6 +28,7 @@ from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.policy import make_policy
 from pagedserve.pipeline.scheduler.preemption import SWAP, PreemptionChooser, pick_victim
+from pagedserve.pipeline.scheduler.quarantine import Quarantine
 from pagedserve.pipeline.scheduler.results import advance
 from pagedserve.pipeline.scheduler.slots import can_swap_in, grow, sync_kv
 from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request,
@@ -42,14 +43,11 @@ FINISHED_LENGTH = SequenceStatus.FINISHED_LENGTH
 FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 
 
-MAX_CRASHES = 2  # steps a request may crash the worker group in before it is failed alone
-
-
 @dataclass(slots=True)
 class Recovery:
     """What `reset_device_state` did: sequences queued for recompute, and requests failed
-    because they were in MAX_CRASHES steps in a row that crashed the workers (request id,
-    the message for its client)."""
+    because they were in quarantine.MAX_CRASHES steps in a row that crashed the workers
+    (request id, the message for its client)."""
     recomputed: int
     failed: list[tuple[str, str]]
 
@@ -110,11 +108,8 @@ class Scheduler:
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []  # the workers still hold state for these
         self._inflight: PlanBuilder | None = None
-        # Poison-request quarantine: requests that were in a step that crashed the workers are
-        # suspects until they sample again; one suspect at a time joins a step (the one "on
-        # trial"), so a second crash names the request that caused it.
-        self._suspects: dict[str, RequestState] = {}
-        self._on_trial: RequestState | None = None
+        # Requests that were in a step that crashed the workers wait their turn (quarantine.py).
+        self.quarantine = Quarantine()
         # Requests finished since the service last took them (take_finished): it keeps their
         # outputs a while, for a detokenizer that died before delivering them.
         self._finished_requests: list[RequestState] = []
@@ -177,7 +172,7 @@ class Scheduler:
         `attributable`: the loss may have been caused by what the step computed (the worker
         raised or crashed, rather than being killed from outside). Then every request of the
         lost step becomes a suspect, and one that was already in the previous such step
-        without sampling in between (MAX_CRASHES) is failed alone, with a message naming
+        without sampling in between (quarantine.MAX_CRASHES) is failed alone, with a message naming
         `cause`, so that the others can complete.
         """
         kv, lost = self.kv, self._inflight
@@ -185,7 +180,8 @@ class Scheduler:
         dropped = set(kv.drop_device_pool(unreliable))
         self._inflight = None
         self._finished_seq_ids = []
-        culprits = self._take_evidence(lost) if attributable and lost is not None else []
+        culprits = self.quarantine.record_crash(self._requests_of(lost)) \
+            if attributable and lost is not None else []
         live = [s for s in self.seqs.values() if not s.is_finished]
         self.waiting, self.swapped, self.running, self.prefilling = [], [], [], []
         self.num_running = self.num_swapped = self.num_waiting = self.num_unforked = 0
@@ -211,23 +207,10 @@ class Scheduler:
                 f"the other requests could complete")))
         return Recovery(self.num_waiting, failed)
 
-    def _take_evidence(self, lost: PlanBuilder) -> list[RequestState]:
-        """Count the crash against every request the lost step computed; the ones at
-        MAX_CRASHES are returned (to be failed), the others become suspects."""
-        self._on_trial = None  # its trial ended with the step
-        culprits, seen = [], set()
-        for seq in (*lost.lanes, *lost.seqs, *lost.fork_children):
-            req = seq.request
-            if req.request_id in seen or req.request_id not in self.requests:
-                continue
-            seen.add(req.request_id)
-            req.crashes += 1
-            if req.crashes >= MAX_CRASHES:
-                culprits.append(req)
-                self._suspects.pop(req.request_id, None)
-            else:
-                self._suspects[req.request_id] = req
-        return culprits
+    def _requests_of(self, step: PlanBuilder) -> list[RequestState]:
+        """The live requests a step computed, in its order (a request once per sequence)."""
+        return [seq.request for seq in (*step.lanes, *step.seqs, *step.fork_children)
+                if seq.request.request_id in self.requests]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -383,7 +366,7 @@ class Scheduler:
                 continue
             if not self._room_for(seq.request.num_seq_slots):
                 break  # a parent swapped out before its samples forked
-            if self._suspects and self._quarantined(seq.request):
+            if self.quarantine.suspects and self.quarantine.holds(seq.request):
                 break  # another suspect is on trial
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = min(remaining, b.budget)
@@ -392,7 +375,7 @@ class Scheduler:
             if not can_swap_in(seq, chunk, self.kv, self.num_watermark_blocks):
                 break
             heapq.heappop(self.swapped)
-            self._begin_trial(seq.request)
+            self.quarantine.begin_trial(seq.request)
             b.swap_in.extend(kv.swap_in(seq.seq_id))
             self.num_swapped -= 1
             self._add_running(seq)
@@ -414,13 +397,13 @@ class Scheduler:
                 break  # pushed out this very step: admitting it back would thrash
             if not self._room_for(seq.request.num_seq_slots):
                 break  # its samples will fork into sequences of their own
-            if self._suspects and self._quarantined(seq.request):
+            if self.quarantine.suspects and self.quarantine.holds(seq.request):
                 break  # another suspect is on trial
             done = self._admit(seq, b)
             if done is None:
                 break  # head-of-line blocking keeps the order fair (no starvation)
             heapq.heappop(self.waiting)
-            self._begin_trial(seq.request)
+            self.quarantine.begin_trial(seq.request)
             (new_running if done else new_prefilling).append(seq)
 
     def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
@@ -595,8 +578,8 @@ class Scheduler:
             outputs.others = [self._finish_sampled(seq, token, row, result)
                               for seq, token, row in pending]
         self.generation_tokens += len(outputs)
-        if self._on_trial is not None:
-            self._end_trial(b)
+        if self.quarantine.on_trial is not None:
+            self.quarantine.end_trial(self._sampled_in(self.quarantine.on_trial, b))
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)
         return outputs
@@ -619,26 +602,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _quarantined(self, req: RequestState) -> bool:
-        """A suspect waits while another suspect is on trial."""
-        trial = self._on_trial
-        return req.request_id in self._suspects and trial is not None and trial is not req
-
-    def _begin_trial(self, req: RequestState) -> None:
-        if self._suspects and req.request_id in self._suspects:
-            self._on_trial = req
-
-    def _end_trial(self, b: PlanBuilder) -> None:
-        """After a step that did not crash: the suspect on trial is cleared once it sampled."""
-        req = self._on_trial
-        if req is None:
-            return
-        if not any(seq.last_step == b.step_id and len(seq.token_ids) == seq.num_computed_tokens + 1
-                   for seq in req.seqs):
-            return  # still catching up (a long recompute takes several steps)
-        req.crashes = 0
-        self._suspects.pop(req.request_id, None)
-        self._on_trial = None
+    @staticmethod
+    def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:
+        """A sequence of `req` sampled in step `b` (it caught up: not still recomputing)."""
+        return any(seq.last_step == b.step_id and len(seq.token_ids) == seq.num_computed_tokens + 1
+                   for seq in req.seqs)
 
     def _room_for(self, num_seqs: int) -> bool:
         """num_seqs more sequences fit under max_num_seqs, counting samples not yet forked."""
@@ -695,10 +663,7 @@ class Scheduler:
         del self.requests[req.request_id]
         if self.config.report_finished:
             self._finished_requests.append(req)
-        if self._suspects:
-            self._suspects.pop(req.request_id, None)
-            if self._on_trial is req:
-                self._on_trial = None
+        self.quarantine.forget(req)
         return True
 
     def _finish_request(self, request_id: str, status: SequenceStatus, index: int | None

@@ -110,7 +110,7 @@ def _crashes_on(sched, worker, poison: str, steps: int = 500):
             return got, failed, suspects_per_plan
         plan = sched.schedule(float(t))
         planned = {seq.request.request_id for seq in sched._inflight.lanes + sched._inflight.seqs}
-        suspects_per_plan.append(planned & set(sched._suspects))
+        suspects_per_plan.append(planned & set(sched.quarantine.suspects))
         if poison in planned:
             recovery = sched.reset_device_state("rank 0 raised", attributable=True)
             failed.update(recovery.failed)
@@ -135,7 +135,7 @@ def test_a_request_in_two_crashing_steps_is_failed_alone():
         if req.request_id != "r3":
             assert got[req.request_id][-12:] == expected_tokens(req.prompt_token_ids, 12, 1000)
     assert all(len(s) <= 1 for s in suspects)  # suspects come back one at a time
-    assert not sched._suspects and sched.kv.stats().gpu_blocks_used == 0
+    assert not sched.quarantine.suspects and sched.kv.stats().gpu_blocks_used == 0
 
 
 def test_outside_kills_are_no_evidence_and_a_suspect_that_samples_is_cleared():
@@ -146,13 +146,13 @@ def test_outside_kills_are_no_evidence_and_a_suspect_that_samples_is_cleared():
     sched.update(plan, worker.execute(plan), 0.0)
     sched.schedule(1.0)  # in flight when a rank was SIGKILLed from outside
     assert sched.reset_device_state("worker0 was killed by SIGKILL").failed == []
-    assert not sched._suspects
+    assert not sched.quarantine.suspects
     worker.gpu = [[None] * worker.bs for _ in worker.gpu]
     worker.seqs.clear()
     sched.schedule(2.0)  # in flight when a rank raised: all three are suspects now
     assert sched.reset_device_state("rank 0 raised", attributable=True).failed == []
-    assert set(sched._suspects) == {"r0", "r1", "r2"}
+    assert set(sched.quarantine.suspects) == {"r0", "r1", "r2"}
     worker.gpu = [[None] * worker.bs for _ in worker.gpu]
     worker.seqs.clear()
     assert _finish(sched, worker).keys() == {"r0", "r1", "r2"}
-    assert not sched._suspects and all(r.crashes == 0 for r in sched.requests.values())
+    assert not sched.quarantine.suspects and all(r.crashes == 0 for r in sched.requests.values())

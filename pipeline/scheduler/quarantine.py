@@ -1,0 +1,67 @@
+"""Poison-request quarantine: which requests a crash of the worker group is held against.
+
+Every request in a step that crashed the workers (a rank raised or died by itself, not killed
+from outside) becomes a suspect until it samples again. One suspect at a time joins a step (the
+one "on trial"), so a second crash names the request that caused it; a request in MAX_CRASHES
+such steps in a row is failed alone (by the Scheduler), so the others can complete.
+
+The quarantine owns its suspects and trial; RequestState.crashes counts each request's crashes.
+The Scheduler asks it (`holds`) and tells it what happened (`record_crash`, `begin_trial`,
+`end_trial`, `forget`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.pipeline.scheduler.sequence import RequestState
+
+MAX_CRASHES = 2  # steps a request may crash the worker group in before it is failed alone
+
+
+class Quarantine:
+    def __init__(self) -> None:
+        self.suspects: dict[str, RequestState] = {}
+        self.on_trial: RequestState | None = None
+
+    def record_crash(self, requests: Iterable[RequestState]) -> list[RequestState]:
+        """Count a crash against each of the lost step's requests (each once); the ones at
+        MAX_CRASHES are returned (to be failed), the others become suspects."""
+        self.on_trial = None  # its trial ended with the step
+        culprits, seen = [], set()
+        for req in requests:
+            if req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            req.crashes += 1
+            if req.crashes >= MAX_CRASHES:
+                culprits.append(req)
+                self.suspects.pop(req.request_id, None)
+            else:
+                self.suspects[req.request_id] = req
+        return culprits
+
+    def holds(self, req: RequestState) -> bool:
+        """A suspect waits while another suspect is on trial."""
+        trial = self.on_trial
+        return req.request_id in self.suspects and trial is not None and trial is not req
+
+    def begin_trial(self, req: RequestState) -> None:
+        """`req` joins a step: a suspect joining is the one on trial."""
+        if self.suspects and req.request_id in self.suspects:
+            self.on_trial = req
+
+    def end_trial(self, sampled: bool) -> None:
+        """After a step that did not crash: the suspect on trial is cleared once it sampled."""
+        req = self.on_trial
+        if req is None or not sampled:
+            return  # no trial, or still catching up (a long recompute takes several steps)
+        req.crashes = 0
+        self.suspects.pop(req.request_id, None)
+        self.on_trial = None
+
+    def forget(self, req: RequestState) -> None:
+        """`req` finished: it is no longer a suspect, nor on trial."""
+        if self.suspects:
+            self.suspects.pop(req.request_id, None)
+            if self.on_trial is req:
+                self.on_trial = None
