@@ -52,6 +52,12 @@ LINEAR_Q8 = Feature(
     {"linear_q8": (I32, (P, I64, I64, I64, P, P, I64, P, I64, I32)),
      "quantize_rows_q8": (I32, (P, I64, I64, I64, P, P))})
 
+LINEAR_GGUF = Feature(
+    "linear_gguf", ("linear_gguf.c",),
+    {"gguf_linear": (I32, (I32, P, I64, I64, I64, P, I64, I64, P, I64, I32)),
+     "gguf_quantize_rows": (I32, (P, I64, I64, I64, I32, P, P, P)),
+     "gguf_dequantize_rows": (I32, (I32, P, I64, I64, I64, P, I64, P))})
+
 ELEMENTWISE = Feature(
     "elementwise", ("elementwise.c",),
     {"rms_norm_f32": (I32, _NORM_ARGS), "rms_norm_bf16": (I32, _NORM_ARGS),
@@ -63,4 +69,4 @@ ROPE_STORE = Feature(
                           I64, P, I32, I32))})
 
 FEATURES: dict[str, Feature] = {feature.name: feature for feature in (
-    DECODE_ATTENTION, LINEAR, LINEAR_Q8, ELEMENTWISE, ROPE_STORE)}
+    DECODE_ATTENTION, LINEAR, LINEAR_Q8, LINEAR_GGUF, ELEMENTWISE, ROPE_STORE)}

@@ -1,0 +1,377 @@
+/* Linear layers on weights kept in their quantized block formats (GGUF's Q4_0, Q4_1, Q5_0, Q8_0,
+ * Q4_K, Q5_K, Q6_K and I4G, our AWQ/GPTQ int4; kernels/quant_formats.py): y[M, N] = x[M, K] W^T.
+ *
+ * x is quantized on every call into int8 blocks (kernels/native_linear_gguf.py quantize_ref is
+ * the reference, bit for bit): blocks of 32 for the 32-element weight types (as llama.cpp's Q8_0)
+ * and of 256 for the k-quants (as its Q8_K), d = max|v| / 127, q = round-half-even(v / d), with
+ * the sum of q over every group of 16 kept beside. Each row of W is unpacked into bytes and
+ * per-block scales (gguf_unpack.h: one form for every type), once per call and panel of 4 rows,
+ * then multiplied with every row of x: integer dot products, exact in int32, one block at a time,
+ * and the fp32 accumulation of the blocks' terms (gguf_unpack.h) in block order. The vector
+ * bodies compute the same integer sums and the same fp32 operations in the same order as the
+ * portable C (no contraction into FMA, no reassociation: the pragmas below), so every build, and
+ * 1 or more threads (threads split the rows of W), gives the same bits.
+ *
+ * Vector bodies: AVX2 (vpmaddubsw: unsigned weight bytes times signed activations, summed in
+ * pairs, then vpmaddwd by ones or by the k-quants' group scales); with AVX-512 VNNI (or AVX-VNNI)
+ * the 32-element types use vpdpbusd instead. Q8_0's signed bytes go through vpmaddubsw as
+ * |w| times sign(w) * a. Elsewhere plain C. */
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_unpack.h"
+#include "paged_attention.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define PANEL 4            /* rows of W unpacked together */
+#define QUANT_ROWS 16      /* rows of x per quantization task */
+
+/* ---- activation quantization ---------------------------------------------------------- */
+
+/* One block of `block` values (32 or 256): d = max|v| / 127, q = round-half-even(v * (1 / d)),
+ * sums of q per group of 16. max|v| < 2^-100 counts as zero (d = 0, q = 0); inf or NaN gives
+ * d = NaN and q = 0. */
+static float quantize_block(const float *v, int block, int8_t *q, int16_t *sums) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < block; i++) {
+        const float a = fabsf(v[i]);
+        finite &= a <= 3.4028234e38f;
+        amax = a > amax ? a : amax;
+    }
+    if (!finite || amax < 0x1p-100f) {
+        memset(q, 0, (size_t)block);
+        memset(sums, 0, sizeof(int16_t) * (size_t)(block / 16));
+        return finite ? 0.0f : NAN;
+    }
+    const float d = amax / 127.0f;
+    const float id = 1.0f / d;
+    for (int g = 0; g < block / 16; g++) {
+        int32_t s = 0;
+        for (int i = 16 * g; i < 16 * g + 16; i++) {
+            q[i] = (int8_t)nearbyintf(v[i] * id);
+            s += q[i];
+        }
+        sums[g] = (int16_t)s;
+    }
+    return d;
+}
+
+typedef struct {
+    const float *x;
+    int64_t m, k, ldx;
+    int block;
+    int8_t *xq;        /* [m][k] */
+    float *xd;         /* [m][k / block] */
+    int16_t *xs;       /* [m][k / 16] */
+} quant_job;
+
+static void quantize_task(void *ctx, int64_t task) {
+    const quant_job *job = ctx;
+    const int64_t blocks = job->k / job->block;
+    int64_t last = (task + 1) * QUANT_ROWS;
+    if (last > job->m) last = job->m;
+    for (int64_t r = task * QUANT_ROWS; r < last; r++)
+        for (int64_t b = 0; b < blocks; b++)
+            job->xd[r * blocks + b] = quantize_block(
+                job->x + r * job->ldx + b * job->block, job->block,
+                job->xq + r * job->k + b * job->block, job->xs + r * (job->k / 16) + b * job->block / 16);
+}
+
+/* ---- the dot products of a panel of PANEL unpacked rows with one row of x ------------ */
+
+/* PANEL unpacked rows, their block scales side by side: d[PANEL * b + r] */
+typedef struct {
+    unpacked_row rows[PANEL];
+    float *d, *dm;
+} panel;
+
+/* The fp32 term of one block (both bodies call this, so the rounding is the same) */
+static inline float block_term(float d, float dm, float da, int32_t i1, int32_t i2) {
+    const float s1 = d * da, s2 = dm * da;
+    return s1 * (float)i1 - s2 * (float)i2;
+}
+
+#ifdef __AVX2__
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_U8S8(u, a) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (a))
+#elif defined(__AVXVNNI__)
+#define DOT_U8S8(u, a) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (a))
+#else
+#define DOT_U8S8(u, a) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (a)), _mm256_set1_epi16(1))
+#endif
+
+/* the four rows' sums of v[0..3], each a vector of 8 int32 */
+static inline __m128i hsum4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+static inline __m128 terms4(const panel *w, int64_t b, float da, __m128i i1, __m128i i2) {
+    const __m128 dav = _mm_set1_ps(da);
+    const __m128 d = _mm_loadu_ps(w->d + PANEL * b), dm = _mm_loadu_ps(w->dm + PANEL * b);
+    const __m128 s1 = _mm_mul_ps(d, dav), s2 = _mm_mul_ps(dm, dav);
+    return _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(i1)), _mm_mul_ps(s2, _mm_cvtepi32_ps(i2)));
+}
+
+static void dot_panel_32(const panel *w, int signed_u, const int8_t *xq, const float *xd,
+                         const int16_t *xs, int64_t K, float out[PANEL]) {
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+        __m256i v[PANEL];
+        for (int r = 0; r < PANEL; r++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(w->rows[r].u + 32 * b));
+            v[r] = signed_u ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))
+                            : DOT_U8S8(u, a);
+        }
+        const __m128i i1 = hsum4(v[0], v[1], v[2], v[3]);
+        const __m128i i2 = _mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1]);
+        acc = _mm_add_ps(acc, terms4(w, b, xd[b], i1, i2));
+    }
+    _mm_storeu_ps(out, acc);
+}
+
+static void dot_panel_k(const panel *w, const int8_t *xq, const float *xd,
+                        const int16_t *xs, int64_t K, float out[PANEL]) {
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        __m256i v[PANEL], m[PANEL];
+        for (int r = 0; r < PANEL; r++) v[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j));
+            for (int r = 0; r < PANEL; r++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(w->rows[r].u + 256 * b + 32 * j));
+                const __m256i sc = _mm256_loadu_si256(
+                    (const __m256i *)(w->rows[r].sc2 + 128 * b + 16 * j));
+                v[r] = _mm256_add_epi32(v[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
+            }
+        }
+        const __m256i s = _mm256_loadu_si256((const __m256i *)(xs + 16 * b));
+        for (int r = 0; r < PANEL; r++)
+            m[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(w->rows[r].mc + 16 * b)), s);
+        acc = _mm_add_ps(acc, terms4(w, b, xd[b], hsum4(v[0], v[1], v[2], v[3]),
+                                     hsum4(m[0], m[1], m[2], m[3])));
+    }
+    _mm_storeu_ps(out, acc);
+}
+#else
+static void dot_panel_32(const panel *w, int signed_u, const int8_t *xq, const float *xd,
+                         const int16_t *xs, int64_t K, float out[PANEL]) {
+    for (int r = 0; r < PANEL; r++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < K / 32; b++) {
+            int32_t i1 = 0;
+            for (int e = 32 * b; e < 32 * b + 32; e++)
+                i1 += (signed_u ? (int32_t)(int8_t)w->rows[r].u[e] : (int32_t)w->rows[r].u[e]) * xq[e];
+            acc += block_term(w->d[PANEL * b + r], w->dm[PANEL * b + r], xd[b], i1,
+                              (int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1]);
+        }
+        out[r] = acc;
+    }
+}
+
+static void dot_panel_k(const panel *w, const int8_t *xq, const float *xd,
+                        const int16_t *xs, int64_t K, float out[PANEL]) {
+    for (int r = 0; r < PANEL; r++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < K / 256; b++) {
+            int32_t i1 = 0, i2 = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t s = 0;
+                for (int e = 256 * b + 16 * g; e < 256 * b + 16 * g + 16; e++)
+                    s += (int32_t)w->rows[r].u[e] * xq[e];
+                i1 += w->rows[r].sc2[128 * b + 8 * g] * s;
+                i2 += w->rows[r].mc[16 * b + g] * (int32_t)xs[16 * b + g];
+            }
+            acc += block_term(w->d[PANEL * b + r], w->dm[PANEL * b + r], xd[b], i1, i2);
+        }
+        out[r] = acc;
+    }
+}
+#endif
+
+/* ---- the linear ------------------------------------------------------------------------ */
+
+typedef struct {
+    const qtype_info *info;
+    const uint8_t *w;
+    int64_t n, k, w_stride;
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *xs;
+    int64_t m;
+    float *y;
+    int64_t ldy, panels_per_task, num_panels;
+    int failed;        /* a task could not allocate its rows */
+} linear_job;
+
+/* The calling thread's panel for K columns (grown, never shrunk); -1 if it cannot be allocated */
+static int panel_storage(int64_t K, int block, panel *w) {
+    static __thread uint8_t *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    const int64_t scales_at = (2 * K + K / 8 + 63) / 64 * 64;      /* after u, sc2, mc */
+    const int64_t per_row = (scales_at + 8 * (K / block) + 63) / 64 * 64;
+    const int64_t bytes = per_row * PANEL + 2 * 4 * PANEL * (K / block);
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        capacity = buffer ? bytes : 0;
+    }
+    if (buffer == NULL) return -1;
+    for (int r = 0; r < PANEL; r++) {
+        uint8_t *p = buffer + r * per_row;
+        w->rows[r].u = p;
+        w->rows[r].sc2 = (int16_t *)(p + K);
+        w->rows[r].mc = (int16_t *)(p + 2 * K);
+        w->rows[r].d = (float *)(p + scales_at);
+        w->rows[r].dm = w->rows[r].d + K / block;
+    }
+    w->d = (float *)(buffer + per_row * PANEL);
+    w->dm = w->d + PANEL * (K / block);
+    return 0;
+}
+
+/* Unpack rows first.. of W (a short last panel repeats its last row) */
+static void unpack_panel(const qtype_info *info, const uint8_t *w, int64_t stride, int live,
+                         int64_t K, panel *p) {
+    const int64_t blocks = K / info->block;
+    for (int r = 0; r < PANEL; r++) {
+        info->unpack(w + (r < live ? r : live - 1) * stride, K, &p->rows[r]);
+        for (int64_t b = 0; b < blocks; b++) {
+            p->d[PANEL * b + r] = p->rows[r].d[b];
+            p->dm[PANEL * b + r] = p->rows[r].dm[b];
+        }
+    }
+}
+
+/* The calling thread's buffer for the quantized x (grown, never shrunk: a prefill chunk's
+ * worth, allocated fresh, would be an mmap that page-faults on every call) */
+static int8_t *x_scratch(int64_t bytes) {
+    static __thread int8_t *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        capacity = buffer ? bytes : 0;
+    }
+    return buffer;
+}
+
+static void linear_task(void *ctx, int64_t task) {
+    const linear_job *job = ctx;
+    const qtype_info *info = job->info;
+    const int64_t K = job->k;
+    panel w;
+    if (panel_storage(K, info->block, &w) != 0) {
+        __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const int64_t first = task * job->panels_per_task;
+    int64_t last = first + job->panels_per_task;
+    if (last > job->num_panels) last = job->num_panels;
+    float out[PANEL];
+    for (int64_t p = first; p < last; p++) {
+        const int64_t n0 = p * PANEL;
+        const int live = job->n - n0 < PANEL ? (int)(job->n - n0) : PANEL;
+        unpack_panel(info, job->w + n0 * job->w_stride, job->w_stride, live, K, &w);
+        for (int64_t t = 0; t < job->m; t++) {
+            const int8_t *xq = job->xq + t * K;
+            const float *xd = job->xd + t * (K / info->block);
+            const int16_t *xs = job->xs + t * (K / 16);
+            if (info->kquant)
+                dot_panel_k(&w, xq, xd, xs, K, out);
+            else
+                dot_panel_32(&w, info->signed_u, xq, xd, xs, K, out);
+            memcpy(job->y + t * job->ldy + n0, out, sizeof(float) * (size_t)live);
+        }
+    }
+}
+
+static int check_sizes(const qtype_info *info, int64_t n, int64_t k, int64_t w_stride) {
+    if (info == NULL) return -3;
+    if (n < 1 || k < info->block || k % info->block != 0
+        || w_stride < k / info->block * info->bytes)
+        return -1;
+    return 0;
+}
+
+/* y[t][0..n) = x[t][0..k) . W[0..n)[0..k) for t < m, W: n rows of `qtype` blocks, row r at
+ * w + r * w_stride (bytes). Returns 0; -1 on bad sizes; -2 when scratch memory cannot be
+ * allocated; -3 for a type not run here. */
+int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_stride,
+                const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int num_threads) {
+    const qtype_info *info = qtype_lookup(qtype);
+    const int bad = check_sizes(info, n, k, w_stride);
+    if (bad) return bad;
+    if (m < 1 || ldx < k || ldy < n) return -1;
+    const int64_t blocks = k / info->block;
+    const int64_t q_bytes = (m * k + 63) / 64 * 64, d_bytes = (m * blocks * 4 + 63) / 64 * 64;
+    int8_t *xq = x_scratch(q_bytes + d_bytes + m * (k / 16) * 2);
+    if (xq == NULL) return -2;
+    float *xd = (float *)(xq + q_bytes);
+    int16_t *xs = (int16_t *)((uint8_t *)xd + d_bytes);
+    const int threads = num_threads < 1 ? 1 : num_threads;
+    quant_job qjob = {x, m, k, ldx, info->block, xq, xd, xs};
+    pa_run_tasks(threads, quantize_task, &qjob, (m + QUANT_ROWS - 1) / QUANT_ROWS);
+    linear_job job = {info, w, n, k, w_stride, xq, xd, xs, m, y, ldy, 1, (n + PANEL - 1) / PANEL,
+                      0};
+    /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
+    job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
+    if (job.panels_per_task < 1) job.panels_per_task = 1;
+    pa_run_tasks(threads, linear_task, &job,
+                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
+    return job.failed ? -2 : 0;
+}
+
+/* The activation quantization alone (tests hold it to the torch reference bit for bit):
+ * xq [m][k], xd [m][k / block], xs [m][k / 16]. Returns 0, or -1 on bad sizes. */
+int gguf_quantize_rows(const float *x, int64_t m, int64_t k, int64_t ldx, int block, int8_t *xq,
+                       float *xd, int16_t *xs) {
+    if (m < 1 || (block != 32 && block != 256) || k < block || k % block != 0 || ldx < k)
+        return -1;
+    quant_job job = {x, m, k, ldx, block, xq, xd, xs};
+    for (int64_t t = 0; t < (m + QUANT_ROWS - 1) / QUANT_ROWS; t++) quantize_task(&job, t);
+    return 0;
+}
+
+/* Rows idx[0..count) of W dequantized to fp32 [count][k] (embedding lookups, tests), with
+ * ggml's arithmetic per type. Returns 0; -1 on bad sizes or an index out of range; -2 when
+ * memory cannot be allocated; -3 for a type not run here. */
+int gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_stride,
+                         const int64_t *idx, int64_t count, float *out) {
+    const qtype_info *info = qtype_lookup(qtype);
+    const int bad = check_sizes(info, n, k, w_stride);
+    if (bad) return bad;
+    for (int64_t i = 0; i < count; i++)
+        if (idx[i] < 0 || idx[i] >= n) return -1;
+    panel p;
+    if (panel_storage(k, info->block, &p) != 0) return -2;
+    const unpacked_row *o = &p.rows[0];
+    for (int64_t i = 0; i < count; i++) {
+        info->unpack(w + idx[i] * w_stride, k, &p.rows[0]);
+        float *y = out + i * k;
+        for (int64_t e = 0; e < k; e++) {
+            const int64_t b = e / info->block;
+            const float d = o->d[b];
+            switch (qtype) {
+                case T_Q4_0: y[e] = (float)((int)o->u[e] - 8) * d; break;
+                case T_Q5_0: y[e] = (float)((int)o->u[e] - 16) * d; break;
+                case T_Q8_0: y[e] = (float)(int8_t)o->u[e] * d; break;
+                case T_Q4_1: case T_I4G: y[e] = (float)o->u[e] * d - o->dm[b]; break;
+                case T_Q6_K: y[e] = d * (float)o->sc2[e / 2] * (float)((int)o->u[e] - 32); break;
+                default:     /* Q4_K, Q5_K */
+                    y[e] = d * (float)o->sc2[e / 2] * (float)o->u[e] - o->dm[b] * (float)o->mc[e / 16];
+            }
+        }
+    }
+    return 0;
+}

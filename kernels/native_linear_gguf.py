@@ -1,0 +1,144 @@
+"""Linear layers on quantized weights kept as loaded (GGUF block types, AWQ/GPTQ int4 as I4G:
+kernels/quant_formats.py) through kernels/native/linear_gguf.c: y = x W^T with x quantized per
+call into int8 blocks (32 for the 32-element types, 256 for the k-quants) and integer dot
+products against the weight's own integers.
+
+`quantize_ref` and `linear_ref` are the torch reference the tests hold the kernel to: the
+quantized x bit for bit, y to fp32 rounding of the block sums; `linear_ref` is also "the same
+quantized arithmetic" whole-model tests compare greedy tokens with.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import native
+from ._checks import require
+from .quant_formats import QType, QuantizedWeight, block_size, dequantize_ref
+
+FEATURE = "linear_gguf"
+_ZERO_BELOW = 2.0 ** -100   # a block with max|v| under this counts as zero (linear_gguf.c)
+_STATUS = {-1: "bad sizes", -2: "out of memory", -3: "a type the kernel does not run"}
+
+
+def available() -> bool:
+    return native.library(FEATURE) is not None
+
+
+def activation_block(qtype: int) -> int:
+    """The block x is quantized in for weights of `qtype`: 32, or 256 for the k-quants."""
+    return 256 if block_size(qtype) == 256 else 32
+
+
+def quantize_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (q int8 [m, k], d fp32 [m, k / block], sums int16 [m, k / 16]) as the kernel
+    quantizes activations: d = max|v| / 127 per block, q = round-half-even(v * (1 / d)), the sum
+    of q per group of 16; blocks with max|v| < 2^-100 are zero, blocks holding inf/NaN get
+    d = NaN and q = 0."""
+    require(x.dim() == 2 and x.shape[1] % block == 0,
+            f"quantize_ref: expected [m, k] with k a multiple of {block}, got {tuple(x.shape)}")
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // block, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    finite = torch.isfinite(blocks).all(-1, keepdim=True)
+    live = finite & (amax >= _ZERO_BELOW)
+    d = torch.where(live, amax / 127.0, torch.zeros_like(amax))
+    inv = torch.where(live, 1.0 / torch.where(live, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.where(live, torch.round(blocks * inv), torch.zeros_like(blocks)).to(torch.int8)
+    d = torch.where(finite, d, torch.full_like(d, float("nan")))
+    q = q.reshape(m, k)
+    sums = q.view(m, k // 16, 16).sum(-1, dtype=torch.int32).to(torch.int16)
+    return q, d.squeeze(-1), sums
+
+
+def linear_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What `linear` computes, in float64: the dequantized weight times the quantized x."""
+    if w.perm is not None:
+        x = x[:, w.perm]
+    block = activation_block(w.qtype)
+    q, d, _ = quantize_ref(x, block)
+    m, k = x.shape
+    xd = (q.double().view(m, -1, block) * d.double().unsqueeze(-1)).view(m, k)
+    # x is in the stored column order now: so is the weight
+    return xd @ dequantize_ref(w.qtype, w.data, w.k).to(torch.float64).t()
+
+
+def _library():
+    lib = native.library(FEATURE)
+    if lib is None:
+        raise RuntimeError(f"native_linear_gguf: {native.unavailable_reason(FEATURE)}")
+    return lib
+
+
+def _check_rows(w: QuantizedWeight) -> None:
+    require(w.data.device.type == "cpu" and w.data.stride(1) == 1,
+            f"native_linear_gguf: the weight's rows must be contiguous CPU bytes, got "
+            f"{w.data.device} strides {w.data.stride()}")
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """x [m, k] fp32 @ W^T -> [m, n] fp32; `out` (a [m, n] fp32 view with unit column stride,
+    e.g. columns of a wider output) receives it when given."""
+    if not (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"):
+        raise ValueError(f"native_linear_gguf.linear: expected a 2-D fp32 CPU input, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    n, k = w.shape
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"native_linear_gguf.linear: x has {x.shape[1]} features, the weight {k}")
+    if w.perm is not None:
+        x = x[:, w.perm]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _check_rows(w)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    require(out.shape == (m, n) and out.dtype == torch.float32 and out.stride(1) == 1,
+            f"native_linear_gguf.linear: out must be fp32 [{m}, {n}] with unit column stride")
+    if m == 0:
+        return out
+    status = _library().gguf_linear(int(w.qtype), w.data.data_ptr(), n, k, w.data.stride(0),
+                                    x.data_ptr(), m, x.stride(0), out.data_ptr(), out.stride(0),
+                                    threads or torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"native_linear_gguf.linear: {_STATUS.get(status, status)} for "
+                           f"{w.qtype.name} m={m} k={k} n={n}")
+    return out
+
+
+def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64, any shape) of W as fp32 [*rows.shape, k] (embedding lookups)."""
+    _check_rows(w)
+    n, k = w.shape
+    idx = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(idx.numel(), k, dtype=torch.float32)
+    if idx.numel():
+        status = _library().gguf_dequantize_rows(int(w.qtype), w.data.data_ptr(), n, k,
+                                                 w.data.stride(0), idx.data_ptr(), idx.numel(),
+                                                 out.data_ptr())
+        if status != 0:
+            raise ValueError(f"native_linear_gguf.dequantize_rows: {_STATUS.get(status, status)}"
+                             f" (rows {int(idx.min())}..{int(idx.max())} of {n})")
+    if w.perm is not None:
+        plain = torch.empty_like(out)
+        plain[:, w.perm] = out
+        out = plain
+    return out.view(*rows.shape, k)
+
+
+def quantize_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own activation quantization (for tests): as `quantize_ref`."""
+    require(x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > 0 and x.stride(1) == 1,
+            f"quantize_native: bad input {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // block, dtype=torch.float32)
+    sums = torch.empty(m, k // 16, dtype=torch.int16)
+    status = _library().gguf_quantize_rows(x.data_ptr(), m, k, x.stride(0), block, q.data_ptr(),
+                                           d.data_ptr(), sums.data_ptr())
+    require(status == 0, f"quantize_native: status {status}")
+    return q, d, sums
+
+
+def supports(qtype: int) -> bool:
+    return qtype in set(QType)

@@ -1,0 +1,115 @@
+"""A GGUF file's tensors under Hugging Face names, read through mmap one tensor at a time.
+
+Tensors of a block type the kernels multiply as stored (kernels/quant_formats.py: Q4_0, Q4_1,
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) come out as `QuantizedWeight`s over the file's own bytes (a
+copy-on-write mapping: nothing is read until used, and the pages are the page cache's), unless
+`keep_quantized` is off; every other tensor is dequantized on its own to `dtype` (one log line
+per type). What llama.cpp's converter changed is undone here, as transformers' GGUF reader does:
+llama's q/k rows are permuted back (on the raw rows, whole blocks), Gemma's norms lose the 1 the
+converter added.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve.kernels.quant_formats import QType, QuantizedWeight
+from pagedserve.workers.load_error import ModelLoadError
+
+logger = logging.getLogger("pagedserve.loader")
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "ffn_norm": "post_attention_layernorm"}
+# Gemma 3 has four norms a layer; llama.cpp names them differently
+_GEMMA3_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_SKIPPED = {"rope_freqs.weight"}   # llama 3's RoPE scaling: the config carries it
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for one the model does not load."""
+    if gguf_name in _SKIPPED:
+        return None
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    match = _LAYER.fullmatch(gguf_name)
+    names = _GEMMA3_BLOCK if arch == "gemma3" else _BLOCK
+    if match is None or match[2] not in names:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no counterpart in a {arch} model")
+    return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (per head: pairs interleaved back
+    into halves)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantized: bool = True
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(Hugging Face name, tensor) for every tensor of the GGUF at `path`; `config` is the
+    model's config.json (heads, for llama's permutation)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(path, "c")
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    heads = {"q_proj": config.get("num_attention_heads"),
+             "k_proj": config.get("num_key_value_heads") or config.get("num_attention_heads")}
+    dequantized: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, arch)
+        if name is None:
+            continue
+        qtype = int(tensor.tensor_type)
+        cols = int(tensor.shape[0])                     # ggml's ne[0]: the row length
+        rows = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
+        data = tensor.data
+        if qtype in QType._value2member_map_ and keep_quantized and len(tensor.shape) == 2:
+            value: torch.Tensor | QuantizedWeight = QuantizedWeight(
+                QType(qtype), torch.from_numpy(data.reshape(rows, -1)), cols)
+        elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            value = torch.from_numpy(np.asarray(data)).to(dtype)
+        else:
+            type_name = GGMLQuantizationType(qtype).name
+            try:
+                array = dequantize(np.asarray(data), GGMLQuantizationType(qtype))
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{path}: tensor {tensor.name} is of type {type_name}, "
+                                     f"which this engine cannot read") from e
+            value = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+            dequantized[type_name] += 1
+        value = _undo_conversion(name, value, arch, heads, rows, cols)
+        yield name, value
+    for type_name, count in sorted(dequantized.items()):
+        if type_name not in ("F32", "F16"):
+            logger.info("%s: %d %s tensors dequantized to %s at load (no kernel multiplies "
+                        "%s as stored)", path.name, count, type_name, dtype, type_name)
+
+
+def _undo_conversion(name: str, value, arch: str, heads: dict, rows: int, cols: int):
+    if isinstance(value, torch.Tensor) and len(value.shape) >= 1:
+        value = value.reshape(rows, cols) if rows > 1 else value.reshape(cols)
+    if arch == "llama":
+        for proj in ("q_proj", "k_proj"):
+            if f".{proj}." in name and heads[proj]:
+                order = _unpermute_rows(rows, heads[proj])
+                value = value.rows(order) if isinstance(value, QuantizedWeight) else value[order]
+    if arch == "gemma3" and name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+        value = value - 1
+    return value
