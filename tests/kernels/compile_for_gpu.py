@@ -2,14 +2,18 @@
 ships in triton's wheel. The interpreter (TRITON_INTERPRET=1) runs the kernels as numpy and
 cannot see what only the compiler rejects (layouts, dot shapes, loop forms, shared memory), so
 this catches it on CPU-only CI. Run by test_kernel_triton.py in a subprocess (triton must be
-imported without TRITON_INTERPRET); prints one line per compiled variant.
+imported without TRITON_INTERPRET); prints one line per compiled variant. The variants compile in
+parallel, one process per CPU (each process builds the list of variants itself and compiles the
+ones whose index it is given: kernels do not pickle).
 
     python tests/kernels/compile_for_gpu.py [ARCH ...]     # default 90 (Hopper); 80: Ampere
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import itertools
+import os
 import sys
 
 import torch
@@ -87,22 +91,52 @@ def variants():
                dict(cache_ptr=cache, mapping_ptr="i64"), dict(CHUNK=1024))
 
 
+def _quant_linear_variants():
+    """Every weight type with every activation dtype at the decode tile (BLOCK_M 16), at the
+    largest tile (BLOCK_M 64) once per type, and I4G with desc_act's permutation."""
+    module = importlib.import_module("pagedserve.kernels.triton_quant_linear")
+    qtypes = importlib.import_module("pagedserve.kernels.quant_formats").QType
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    cases = [(qtype, act, 16, False) for qtype in qtypes for act in dtypes]
+    cases += [(qtype, "bf16", 64, False) for qtype in qtypes]
+    cases += [(qtypes.I4G, "fp16", 16, True)]
+    for qtype, act, block_m, perm in cases:
+        dot_dtype, precision = module.dot_operands(dtypes[act])
+        _, block_n, block_k = module.tiles(block_m, 256)
+        yield (f"quant_linear {qtype.name} {act} m{block_m}{' perm' if perm else ''}",
+               module._quant_linear_kernel,
+               dict(x_ptr=act, w_ptr="u8", perm_ptr="i64" if perm else "u8", y_ptr=act),
+               dict(QTYPE=int(qtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    HAS_PERM=perm, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision))
+
+
+def all_variants():
+    yield from variants()
+    yield from _quant_linear_variants()
+
+
+def compile_variant(arch: int, index: int) -> tuple[str, bool]:
+    """Compile variant `index` of all_variants() for sm_`arch`: (its report line, whether ok)."""
+    name, fn, ptrs, constexprs = next(itertools.islice(all_variants(), index, None))
+    sig = signature(fn, ptrs, constexprs)
+    try:
+        compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32))
+        assert compiled.asm.get("cubin"), "no cubin"
+        shared, limit = compiled.metadata.shared, SHARED_LIMIT.get(arch)
+        assert limit is None or shared <= limit, (
+            f"{shared} B of shared memory, over sm_{arch}'s {limit}")
+        return f"sm_{arch} {name}: ok ({shared} B shared memory)", True
+    except Exception as e:  # report every failing variant, not just the first
+        return f"sm_{arch} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}", False
+
+
 def main(archs: list[int]) -> int:
+    jobs = [(arch, index) for arch in archs for index in range(sum(1 for _ in all_variants()))]
     failures = 0
-    for arch in archs:
-        target = GPUTarget("cuda", arch, 32)
-        for name, fn, ptrs, constexprs in variants():
-            sig = signature(fn, ptrs, constexprs)
-            try:
-                compiled = triton.compile(ASTSource(fn, sig, constexprs), target=target)
-                assert compiled.asm.get("cubin"), "no cubin"
-                shared, limit = compiled.metadata.shared, SHARED_LIMIT.get(arch)
-                assert limit is None or shared <= limit, (
-                    f"{shared} B of shared memory, over sm_{arch}'s {limit}")
-                print(f"sm_{arch} {name}: ok ({compiled.metadata.shared} B shared memory)")
-            except Exception as e:  # report every failing variant, not just the first
-                failures += 1
-                print(f"sm_{arch} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        for line, ok in pool.map(compile_variant, *zip(*jobs)):   # in order, as they finish
+            failures += not ok
+            print(line, flush=True)
     print(f"{failures} failures")
     return 1 if failures else 0
 
