@@ -23,6 +23,9 @@ from . import (native, native_decode_attention, native_elementwise, native_linea
 LINEAR_F32 = "native linear_f32.c"
 LINEAR_BF16 = "native linear_bf16.c"
 LINEAR_Q8 = "native linear_q8.c"
+LINEAR_GGUF = "native linear_gguf.c"
+TRITON_QUANT = "triton quant_linear"
+KEPT_QUANTIZED = ("gguf", "awq", "gptq")
 ONEDNN = "oneDNN packed"
 F_LINEAR = "torch F.linear"
 TRITON = "triton"
@@ -138,6 +141,8 @@ def linear_path(device_type: str, dtype: torch.dtype) -> KernelPath:
 
 def lm_head_path(device_type: str, dtype: torch.dtype, quantization: str,
                  in_features: int | None) -> KernelPath:
+    if quantization in KEPT_QUANTIZED:
+        return quantized_path(device_type, quantization)
     if quantization == "int8" and in_features is not None \
             and native_linear_q8.supports(in_features):
         return KernelPath(LINEAR_Q8, "--quantization int8")
@@ -205,7 +210,17 @@ def rope_store_path(device_type: str, dtype: torch.dtype, cache_dtype: torch.dty
     return KernelPath(f"torch RoPE + {store} store_kv", why)
 
 
+def quantized_path(device_type: str, quantization: str) -> KernelPath:
+    """Linears whose weights stay in their checkpoint's block formats."""
+    why = f"--quantization {quantization}: weights in their block formats"
+    if device_type == "cpu":
+        return KernelPath(LINEAR_GGUF, why)
+    return KernelPath(TRITON_QUANT, why)
+
+
 def int8_path(quantization: str) -> KernelPath:
+    if quantization in KEPT_QUANTIZED:
+        return KernelPath("off", f"--quantization {quantization}")
     if quantization != "int8":
         return KernelPath("off", f"--quantization {quantization}")
     return KernelPath(LINEAR_Q8, "--quantization int8, for linears whose in_features are whole "
@@ -220,7 +235,8 @@ def kernel_paths(device: torch.device | str, dtype: torch.dtype, quantization: s
     device_type = torch.device(device).type
     cache_dtype = kv_cache_dtype or dtype
     return {
-        "linear": linear_path(device_type, dtype),
+        "linear": quantized_path(device_type, quantization) if quantization in KEPT_QUANTIZED
+        else linear_path(device_type, dtype),
         "lm_head": lm_head_path(device_type, dtype, quantization, hidden_size),
         "decode attention": decode_attention_path(device_type, dtype, cache_dtype, head_dim),
         "prefill attention": prefill_attention_path(device_type, dtype, cache_dtype, head_dim),

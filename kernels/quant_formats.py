@@ -79,7 +79,16 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def numel(self) -> int:
+        """The elements it stands for (n * k)."""
+        return self.data.shape[0] * self.k
+
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
+        """Rows `index` (a slice: a view; an index tensor: a copy, unless it is every row in
+        order)."""
+        if isinstance(index, torch.Tensor) and index.numel() == self.data.shape[0] \
+                and torch.equal(index, torch.arange(self.data.shape[0])):
+            return self
         return dataclasses.replace(self, data=self.data[index])
 
     def cols(self, cols: slice) -> "QuantizedWeight":

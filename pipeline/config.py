@@ -19,7 +19,7 @@ from typing import Any
 from pagedserve import envs
 from pagedserve.envs import Environment
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf", "awq", "gptq")
 
 # --kv-cache-dtype names (kernels/kv_format.py maps them to torch dtypes; kept here torch-free)
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -49,9 +49,11 @@ class ModelArgs:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
-    # none, or int8: weights and activations in int8 blocks of 32 (llama.cpp's Q8_0 scheme) on
-    # CPU workers in fp32 (kernels/native/linear_q8.c)
-    quantization: str = "none"
+    # auto: a quantized checkpoint's own format kept as stored (gguf, awq, gptq: kernels/
+    # native_linear_gguf.py on CPU, triton_quant_linear.py on CUDA), else none; none: weights
+    # dequantized at load; int8: weights and activations in int8 blocks of 32 (llama.cpp's Q8_0
+    # scheme) on CPU workers in fp32 (kernels/native/linear_q8.c)
+    quantization: str = "auto"
     generation_config: str = "auto"   # --generation-config: auto, vllm or a directory
     chat_template: str | None = None  # --chat-template: a file or an inline Jinja template
 
@@ -338,9 +340,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default=d.model.dtype)
     p.add_argument("--quantization", "-q", default=d.model.quantization, choices=QUANTIZATIONS,
-                   help="int8: weights and activations in int8 blocks of 32 along the input "
-                        "(llama.cpp's Q8_0 scheme), CPU workers only; 1.4-2.7x faster linears than "
-                        "fp32 on AVX2, perplexity +0.9%% on ShareGPT text")
+                   help="auto (default): a GGUF, AWQ or GPTQ checkpoint's weights stay in their "
+                        "format (gguf, awq, gptq name it explicitly); none: dequantized at load "
+                        "to --dtype; int8: weights and activations in int8 blocks of 32 "
+                        "(llama.cpp's Q8_0 scheme), CPU workers only")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--generation-config", default="auto", help="auto: the model's "
                    "generation_config.json fills unset sampling fields; vllm: no; or a directory")

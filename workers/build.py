@@ -48,7 +48,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     from pagedserve.workers.kv_cache import block_bytes, device_budget_bytes, num_blocks_for_bytes
     from pagedserve.kernels import native_decode_attention
     from pagedserve.kernels.kv_format import resolve_kv_cache_dtype
-    from pagedserve.workers.loader import load_config as load_model_config
+    from pagedserve.workers.loader import load_config as load_model_config, weights_quantization
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
     from pagedserve.workers.core import WorkerCore
@@ -60,8 +60,10 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
         torch.set_num_threads(cfg.parallel.threads_per_rank())
         native_decode_attention.set_threads(cfg.parallel.threads_per_rank())
     dtype = resolve_dtype(cfg.model.dtype, device)
-    if cfg.model.quantization == "int8" and cfg.model.dtype == "auto":
-        dtype = torch.float32   # int8 linears take and give fp32 (kernels/native_linear_q8.py)
+    quantization = weights_quantization(cfg.model.quantization, cfg.model.model)
+    if cfg.model.dtype == "auto" and device.type == "cpu" and quantization != "none":
+        dtype = torch.float32   # quantized linears take and give fp32 on CPU
+                                # (kernels/native_linear_q8.py, native_linear_gguf.py)
     cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     model_config = load_model_config(cfg.model.model)
     init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
@@ -77,7 +79,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     else:
         probe = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size, 1,
                             rank, tp, cache_dtype, cuda_graph_batch=0,
-                            quantization=cfg.model.quantization)
+                            quantization=quantization)
         free = device_budget_bytes(device, memory_utilization=cfg.cache.gpu_memory_utilization)
         runner_blocks = num_blocks_for_bytes(model_config, cfg.cache.block_size, cache_dtype,
                                              free, tp)
@@ -86,7 +88,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
                          runner_blocks, rank, tp, cache_dtype,
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
-                         else cfg.scheduling.max_num_seqs, quantization=cfg.model.quantization)
+                         else cfg.scheduling.max_num_seqs, quantization=quantization)
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,

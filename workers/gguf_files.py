@@ -1,4 +1,4 @@
-"""GGUF files: checking a header fast, dequantizing to safetensors.
+"""GGUF files: checking a header fast, describing one as a weightless Hugging Face directory.
 
 workers.loader decides when (once per file, under its cache lock); this module does the work;
 workers/builtin_models.py fetches the built-in models' files.
@@ -11,6 +11,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from pagedserve.workers.load_error import ModelLoadError
 
@@ -46,7 +47,7 @@ def check_gguf(path: Path) -> str:
     before the slow conversion starts.
     """
     try:
-        meta, data_end = _scan_gguf(path)
+        meta, data_end, _, _ = _scan_gguf(path)
     except (struct.error, ValueError, KeyError, UnicodeDecodeError, EOFError) as e:
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
     size = path.stat().st_size
@@ -72,7 +73,28 @@ def gguf_sampling_defaults(path: Path) -> dict:
             if isinstance(meta.get(key), (int, float))}
 
 
-def _scan_gguf(path: Path) -> tuple[dict, int]:
+class TensorInfo(NamedTuple):
+    name: str
+    dims: tuple[int, ...]    # ggml's order: dims[0] is the row length
+    qtype: int               # GGMLQuantizationType
+    offset: int              # from the start of the data section
+    nbytes: int
+
+
+def gguf_tensors(path: Path) -> tuple[dict, int, list[TensorInfo]]:
+    """(header values, where the data section starts, every tensor's info): the header read
+    fast (the tokenizer's arrays skipped), for reading the tensors through a mapping."""
+    try:
+        meta, data_end, data_start, tensors = _scan_gguf(Path(path))
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError, EOFError) as e:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
+    if data_end > Path(path).stat().st_size:
+        raise ModelLoadError(f"{path}: truncated GGUF file: its header describes {data_end} "
+                             f"bytes but the file has {Path(path).stat().st_size}")
+    return meta, data_start, tensors
+
+
+def _scan_gguf(path: Path) -> tuple[dict, int, int, list[TensorInfo]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -117,57 +139,80 @@ def _scan_gguf(path: Path) -> tuple[dict, int]:
             key = read_str()
             meta[key] = read_value(read("I"))
         data_end = 0
+        tensors = []
         for _ in range(n_tensors):
-            read_str()
+            name = read_str()
             dims = [read("Q") for _ in range(read("I"))]
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(read("I"))]
+            qtype = read("I")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
             n_elements = 1
             for d in dims:
                 n_elements *= d
-            data_end = max(data_end, read("Q") + n_elements // block * type_size)
+            offset, nbytes = read("Q"), n_elements // block * type_size
+            tensors.append(TensorInfo(name, tuple(dims), qtype, offset, nbytes))
+            data_end = max(data_end, offset + nbytes)
         alignment = meta.get("general.alignment") or 32
         data_start = -(-f.tell() // alignment) * alignment
-    return meta, data_start + data_end
+    return meta, data_start + data_end, data_start, tensors
 
 
 # ---------------------------------------------------------------- conversion
 
+GGUF_POINTER = "gguf.json"   # in a described directory: which GGUF file holds the weights
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, *, generation_config: dict | None = None) -> None:
-    """Dequantize gguf_path with transformers into out_dir: fp32 safetensors, config, tokenizer,
-    generation_config.json (transformers' reading, then the file's general.sampling.* values,
-    then `generation_config`: a built-in's published defaults).
+    """Describe gguf_path in out_dir as a Hugging Face directory without weights: config.json
+    (transformers' reading of the header), tokenizer, generation_config.json (transformers'
+    reading, then the file's general.sampling.* values, then `generation_config`: a built-in's
+    published defaults) and gguf.json naming the file, whose tensors the workers read through mmap
+    (workers/gguf_weights.py). Nothing is dequantized here.
 
     A change to what it writes wants workers.loader.CACHE_FORMAT bumped, or old caches are reused.
     """
     start = time.monotonic()
-    logger.info("converting %s to fp32 safetensors (once; later starts reuse %s)",
-                gguf_path, out_dir.parent)
     try:
-        import torch
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, GenerationConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         tokenizer = gguf_tokenizer(gguf_path)
-        logger.info("tokenizer read; dequantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+        hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: transformers could not read this GGUF file "
                              f"({type(e).__name__}: {e})") from e
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_model_name_or_path", None)
-    config.pop("_name_or_path", None)  # the folder it was converted from: not the model's
-    config.update(dtype="float32", architectures=[type(model).__name__])
-    state = {name: t.detach().to(torch.float32).contiguous()
-             for name, t in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # the same storage as embed_tokens; files hold it once
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = hf_config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        config.pop(key, None)  # the folder it was read from is not the model's
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
+    config.update(dtype="float32", architectures=[architecture] if architecture else None)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    _write_generation_config(out_dir / "generation_config.json", model.generation_config,
+    _write_generation_config(out_dir / "generation_config.json",
+                             GenerationConfig.from_model_config(hf_config),
                              {**gguf_sampling_defaults(gguf_path), **(generation_config or {})})
     tokenizer.save_pretrained(out_dir)
-    logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+    stat = gguf_path.stat()
+    (out_dir / GGUF_POINTER).write_text(json.dumps(
+        {"file": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}, indent=1))
+    logger.info("described %s in %.1f s (its weights stay in the file)", gguf_path.name,
+                time.monotonic() - start)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a described directory reads its weights from; None for another directory.
+    ModelLoadError when the file is gone or changed since."""
+    pointer = Path(model_dir) / GGUF_POINTER
+    if not pointer.is_file():
+        return None
+    try:
+        source = json.loads(pointer.read_text())
+        path = Path(source["file"])
+        stat = path.stat()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{model_dir}: its weights file named in {GGUF_POINTER} cannot be "
+                             f"read ({e})") from e
+    if (stat.st_size, stat.st_mtime_ns) != (source.get("size"), source.get("mtime_ns")):
+        raise ModelLoadError(f"{path} changed since {model_dir} was made from it; remove that "
+                             f"directory to describe the file again")
+    return path
 
 
 def _write_generation_config(path: Path, read: object, overrides: dict) -> None:

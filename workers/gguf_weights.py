@@ -1,9 +1,8 @@
 """A GGUF file's tensors under Hugging Face names, read through mmap one tensor at a time.
 
 Tensors of a block type the kernels multiply as stored (kernels/quant_formats.py: Q4_0, Q4_1,
-Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) come out as `QuantizedWeight`s over the file's own bytes (a
-copy-on-write mapping: nothing is read until used, and the pages are the page cache's), unless
-`keep_quantized` is off; every other tensor is dequantized on its own to `dtype` (one log line
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) come out as `QuantizedWeight`s holding the file's own bytes (copied
+out of the mapping tensor by tensor), unless `keep_quantized` is off; every other tensor is dequantized on its own to `dtype` (one log line
 per type). What llama.cpp's converter changed is undone here, as transformers' GGUF reader does:
 llama's q/k rows are permuted back (on the raw rows, whole blocks), Gemma's norms lose the 1 the
 converter added.
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.quant_formats import QType, QuantizedWeight
+from pagedserve.workers.gguf_files import gguf_tensors
 from pagedserve.workers.load_error import ModelLoadError
 
 logger = logging.getLogger("pagedserve.loader")
@@ -62,34 +62,35 @@ def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantiz
                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) for every tensor of the GGUF at `path`; `config` is the
     model's config.json (heads, for llama's permutation)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    try:
-        reader = GGUFReader(path, "c")
-    except (ValueError, OSError, KeyError, IndexError) as e:
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({e})") from e
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    meta, data_start, tensors = gguf_tensors(path)
+    arch = meta.get("general.architecture")
+    mapping = np.memmap(path, dtype=np.uint8, mode="r")
     heads = {"q_proj": config.get("num_attention_heads"),
              "k_proj": config.get("num_key_value_heads") or config.get("num_attention_heads")}
     dequantized: Counter[str] = Counter()
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_name(tensor.name, arch)
         if name is None:
             continue
-        qtype = int(tensor.tensor_type)
-        cols = int(tensor.shape[0])                     # ggml's ne[0]: the row length
-        rows = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
-        data = tensor.data
-        if qtype in QType._value2member_map_ and keep_quantized and len(tensor.shape) == 2:
+        qtype, cols = tensor.qtype, int(tensor.dims[0])   # ggml's dims[0]: the row length
+        rows = int(np.prod(tensor.dims[1:])) if len(tensor.dims) > 1 else 1
+        raw = mapping[data_start + tensor.offset:data_start + tensor.offset + tensor.nbytes]
+        if qtype in QType._value2member_map_ and keep_quantized and len(tensor.dims) == 2:
+            # copied out of the mapping, one tensor at a time: the kernels read the mapping's
+            # 4 KiB pages at a third of the speed of anonymous (huge-page) memory
             value: torch.Tensor | QuantizedWeight = QuantizedWeight(
-                QType(qtype), torch.from_numpy(data.reshape(rows, -1)), cols)
-        elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            value = torch.from_numpy(np.asarray(data)).to(dtype)
+                QType(qtype), torch.from_numpy(raw.reshape(rows, -1).copy()), cols)
+        elif qtype == GGMLQuantizationType.F32:
+            value = torch.from_numpy(raw.view(np.float32).copy()).to(dtype)
+        elif qtype == GGMLQuantizationType.F16:
+            value = torch.from_numpy(raw.view(np.float16).astype(np.float32)).to(dtype)
         else:
-            type_name = GGMLQuantizationType(qtype).name
+            type_name = _type_name(qtype)
             try:
-                array = dequantize(np.asarray(data), GGMLQuantizationType(qtype))
-            except NotImplementedError as e:
+                array = dequantize(raw.reshape(rows, -1), GGMLQuantizationType(qtype))
+            except (NotImplementedError, ValueError) as e:
                 raise ModelLoadError(f"{path}: tensor {tensor.name} is of type {type_name}, "
                                      f"which this engine cannot read") from e
             value = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
@@ -97,9 +98,16 @@ def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantiz
         value = _undo_conversion(name, value, arch, heads, rows, cols)
         yield name, value
     for type_name, count in sorted(dequantized.items()):
-        if type_name not in ("F32", "F16"):
-            logger.info("%s: %d %s tensors dequantized to %s at load (no kernel multiplies "
-                        "%s as stored)", path.name, count, type_name, dtype, type_name)
+        logger.info("%s: %d %s tensors dequantized to %s at load (no kernel multiplies "
+                    "%s as stored)", path.name, count, type_name, dtype, type_name)
+
+
+def _type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"unknown type {qtype}"
 
 
 def _undo_conversion(name: str, value, arch: str, heads: dict, rows: int, cols: int):

@@ -1,8 +1,11 @@
 """Model resolution and loading: a name, HF directory or .gguf file -> an HF directory we can load.
 
-GGUF files (the built-in default is one) are dequantized once (workers/gguf_files.py) and
-cached as an fp32 safetensors directory, built in a temp dir and renamed into place under a file
-lock, so a crash never leaves half a cache and two processes never convert the same file twice.
+A GGUF file (the built-in default is one) is described once (workers/gguf_files.py) as a cached
+directory of config, tokenizer and a pointer to the file, built in a temp dir and renamed into
+place under a file lock, so a crash never leaves half a cache and two processes never describe
+the same file twice. The weights stay in the file: `iter_weights` reads them through mmap, one
+tensor at a time, kept in their block formats (workers/gguf_weights.py) unless asked otherwise.
+AWQ and GPTQ directories are read the same way (workers/int4_checkpoints.py).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, TEST_MODEL, builtin_gguf  # noqa: F401
-from pagedserve.workers.gguf_files import check_gguf, convert_gguf
+from pagedserve.workers.gguf_files import check_gguf, convert_gguf, gguf_source
 from pagedserve.workers.load_error import ModelLoadError
 # ModelConfig and the architecture table live in workers/model_config.py; re-exported here.
 from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig  # noqa: F401
@@ -29,7 +32,7 @@ from pagedserve.workers.model_config import id_tuple as _id_tuple
 
 logger = logging.getLogger("pagedserve.loader")
 
-CACHE_FORMAT = 3                      # bump when the layout of a converted directory changes
+CACHE_FORMAT = 4                      # bump when the layout of a converted directory changes
 CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a complete directory
 
 
@@ -106,8 +109,52 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
-    """Yield (HF parameter name, tensor as stored) for every tensor of every weight file."""
+def checkpoint_quantization(model_dir: str | Path) -> str | None:
+    """The format a checkpoint's weights are quantized in: gguf, awq, gptq, or None."""
+    if gguf_source(Path(model_dir)) is not None:
+        return "gguf"
+    from pagedserve.workers.int4_checkpoints import detect_quantization
+    return detect_quantization(_read_json(Path(model_dir) / "config.json", Path(model_dir),
+                                          "config.json"))
+
+
+def weights_quantization(requested: str, model_dir: str | Path) -> str:
+    """What --quantization `requested` means for this checkpoint: its own format (gguf, awq,
+    gptq) kept as stored, none (dequantized at load) or int8. ValueError when it asks for a
+    format the checkpoint is not in."""
+    stored = checkpoint_quantization(model_dir)
+    if requested == "auto":
+        return stored or "none"
+    if requested in ("gguf", "awq", "gptq") and requested != stored:
+        raise ValueError(f"--quantization {requested}: {model_dir} holds "
+                         f"{stored + ' weights' if stored else 'unquantized weights'}")
+    return requested
+
+
+def iter_weights(model_dir: str | Path, dtype: "torch.dtype | None" = None,  # noqa: F821
+                 keep_quantized: bool = True
+                 ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:  # noqa: F821
+    """Yield (HF parameter name, tensor) for every tensor of the checkpoint, one at a time.
+
+    Safetensors as stored; a GGUF's or an AWQ/GPTQ checkpoint's quantized linears as
+    QuantizedWeight with `keep_quantized`, else dequantized to `dtype` (default float32) tensor
+    by tensor, never the whole model at once."""
+    import torch
+    model_dir = Path(model_dir)
+    dtype = dtype or torch.float32
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        from pagedserve.workers.gguf_weights import iter_gguf_weights
+        config = _read_json(model_dir / "config.json", model_dir, "config.json")
+        yield from iter_gguf_weights(gguf_path, config, dtype, keep_quantized)
+        return
+    config = _read_json(model_dir / "config.json", model_dir, "config.json")
+    from pagedserve.workers.int4_checkpoints import detect_quantization, iter_int4_weights
+    if detect_quantization(config) is not None:
+        for name, tensor in iter_int4_weights(model_dir, config):
+            yield name, tensor if keep_quantized or isinstance(tensor, torch.Tensor) \
+                else tensor.dequantize(dtype)
+        return
     from safetensors import SafetensorError, safe_open
     for path in weight_files(model_dir):
         try:
@@ -149,6 +196,10 @@ def _check_hf_dir(model_dir: Path) -> Path:
         raise ModelLoadError(f"{model_dir}: no config.json in this directory (is it a Hugging "
                              "Face model directory?)")
     load_config(model_dir)
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        check_gguf(gguf_path)
+        return model_dir
     for path in weight_files(model_dir):
         try:  # reads only the header: cheap, and catches truncated or foreign files early
             with safe_open(path, framework="pt") as f:
@@ -169,9 +220,9 @@ def _converted_gguf(gguf_path: Path, cache: Path) -> Path:
 
 
 def _builtin_model(name: str, cache: Path) -> Path:
-    """A built-in: its GGUF fetched and verified into <cache>/gguf/ (kept, for llama.cpp
-    comparisons and re-conversions), converted once into <cache>/models/<name>/ with its
-    authors' sampling defaults in generation_config.json."""
+    """A built-in: its GGUF fetched and verified into <cache>/gguf/ (where the workers read its
+    weights), described once in <cache>/models/<name>/ with its authors' sampling defaults in
+    generation_config.json."""
     model = BUILTIN_MODELS[name]
 
     def fetch_and_convert(out: Path) -> None:

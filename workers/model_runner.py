@@ -17,11 +17,11 @@ from pagedserve.kernels.kv_format import check_storage
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
 from pagedserve.workers.kv_cache import allocate_kv_cache
-from pagedserve.workers.loader import ModelConfig, iter_weights
+from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
-from pagedserve.workers.models.layers import (check_quantization, prepack_linears, quantize_linears,
-                                   release_packed_weights)
+from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
+                                              quantize_linears, release_packed_weights)
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +81,27 @@ class ModelRunner:
                  quantization: str = "none") -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
-        `quantization`: none, or int8 (CPU, fp32: kernels/native_linear_q8.py).
+        `quantization`: auto (a quantized checkpoint's format kept as stored, else none), none
+        (dequantized at load), int8 (CPU, fp32: kernels/native_linear_q8.py), or the
+        checkpoint's format by name (gguf, awq, gptq).
         `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
         sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
+        quantization = "none" if model_dir is None and quantization == "auto" else \
+            quantization if model_dir is None else weights_quantization(quantization, model_dir)
         check_quantization(quantization, dtype, torch.device(device))
+        self.quantization = quantization
         self.block_size, self.num_blocks = block_size, num_blocks
         self.tp = TPGroup(tp_rank, tp_size)
         self.model = model_class(config.architecture)(config, self.tp, dtype, self.device)
         if model_dir is None:
             _init_random(self.model, seed=0)
         else:
-            self.model.load_weights(iter_weights(model_dir))
+            self.model.load_weights(iter_weights(model_dir, dtype,
+                                                 keep_quantized=quantization in KEPT_QUANTIZED))
+            _trim_heap()   # the parts of fused quantized weights, copied once into one tensor
         self.model.eval()
         if quantization == "int8":
             done, total = quantize_linears(self.model)

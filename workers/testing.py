@@ -66,6 +66,22 @@ def make_tiny_model(path: str | Path, architecture: str, *, seed: int = 0, std: 
     return path
 
 
+def hf_model(model_dir: str | Path):
+    """transformers' own model of a checkpoint in fp32, eval mode (a described GGUF directory:
+    transformers dequantizes the GGUF it names)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.workers.gguf_files import gguf_source
+    gguf_path = gguf_source(Path(model_dir))
+    if gguf_path is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    return model.eval()
+
+
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, *,
               eos_token_ids: Iterable[int] = ()) -> list[list[int]]:
     """Greedy-decode each prompt alone (batch of one, no padding) with transformers in fp32.
@@ -76,15 +92,14 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
     import inspect
 
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if any(not prompt for prompt in prompts):
         raise ValueError("every prompt needs at least one token id")
     stop = set(eos_token_ids)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    model = hf_model(model_dir)
     # transformers 5.x renames forward's past_key_values to cache; accept either spelling.
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
         else "past_key_values"

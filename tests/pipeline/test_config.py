@@ -44,14 +44,17 @@ def test_kv_cache_dtype_flag():
 
 
 def test_quantization_flag():
-    assert _cfg().model.quantization == "none"
+    assert _cfg().model.quantization == "auto"
+    assert _cfg("--quantization", "none").model.quantization == "none"
+    assert _cfg("--quantization", "gguf").model.quantization == "gguf"
     assert _cfg("--quantization", "int8").model.quantization == "int8"
     assert _cfg("-q", "int8", "--dtype", "float32").model.quantization == "int8"
     with pytest.raises(SystemExit):   # argparse names the choices
         _cfg("--quantization", "int4")
     from pagedserve.pipeline.config import EngineConfig
-    with pytest.raises(ValueError, match="--quantization must be one of none, int8, got 'awq'"):
-        EngineConfig.from_kwargs(quantization="awq")
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, int8, gguf, "
+                                         "awq, gptq, got 'int4'"):
+        EngineConfig.from_kwargs(quantization="int4")
     with pytest.raises(ValueError, match="does not combine with --dtype bfloat16"):
         _cfg("--quantization", "int8", "--dtype", "bfloat16")
 

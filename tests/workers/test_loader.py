@@ -3,6 +3,7 @@ cache and its errors."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from pagedserve.workers import loader
 from pagedserve.workers.gguf_files import check_gguf
+from pagedserve.kernels.quant_formats import QuantizedWeight
 from pagedserve.workers.loader import CACHE_MARKER, TEST_MODEL, ModelConfig, ModelLoadError, build_once, iter_weights, load_config, resolve_model
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
@@ -357,7 +359,12 @@ def test_default_model_fetch_then_cache_is_3x_faster(tmp_path, monkeypatch):
             config.vocab_size, config.tie_word_embeddings) == \
         ("llama", 30, 576, 9, 3, 64, 49152, True)
     assert 130e6 < num_params < 140e6
-    assert all(t.dtype == torch.float32 for _, t in iter_weights(model_dir))
+    # the weights stay in the GGUF, read in their block formats; nothing dequantized on disk
+    assert not list(model_dir.glob("*.safetensors"))
+    kinds = Counter(t.qtype.name if isinstance(t, QuantizedWeight) else str(t.dtype)
+                    for _, t in iter_weights(model_dir))
+    assert kinds == {"Q4_1": 210, "Q8_0": 1, "torch.float32": 61}, kinds
+    assert all(t.dtype == torch.float32 for _, t in iter_weights(model_dir, keep_quantized=False))
     assert tokenizer.chat_template and tokenizer.eos_token_id in config.eos_token_ids
     assert not list((cache / "models").glob(".tmp-*"))
 

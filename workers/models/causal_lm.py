@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.quant_formats import QuantizedWeight
 from pagedserve.workers.distributed import TPGroup
 from pagedserve.workers.model_config import ModelConfig
 from pagedserve.workers.models.attention import AttentionMetadata
 from pagedserve.workers.models.decoder import DecoderLayer
-from pagedserve.workers.models.layers import PackableLinear
+from pagedserve.workers.models.layers import PackableLinear, finish_loading
+from pagedserve.workers.models.quantized import embed_rows
 from pagedserve.workers.models.rotary import LayerRopes
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -27,11 +29,13 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 class DecoderForCausalLM(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer
+    # the embedding table kept in its quantized format (CPU): rows dequantized when looked up
+    embed_quantized: QuantizedWeight | None = None
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.dtype = config, tp, dtype
         h = config.hidden_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
@@ -52,6 +56,12 @@ class DecoderForCausalLM(nn.Module):
         return self.layers[0].self_attn.num_kv_heads
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_lookup(input_ids)
+
+    def embed_lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids, in the model dtype (a fresh tensor)."""
+        if self.embed_quantized is not None:
+            return embed_rows(self.embed_quantized, input_ids, self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -130,6 +140,13 @@ class DecoderForCausalLM(nn.Module):
         if expected:
             raise ValueError(f"checkpoint is missing {len(expected)} tensors, "
                              f"e.g. {sorted(expected)[:4]}")
+        finish_loading(self)
+        if self.embed_quantized is not None:   # its plain table was never filled: meta now
+            self.embed_tokens = nn.Parameter(torch.empty(self.embed_tokens.shape,
+                                                         dtype=self.dtype, device="meta"),
+                                             requires_grad=False)
+            if self.config.tie_word_embeddings:
+                self.lm_head = self.embed_tokens
 
     def _expected_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -143,6 +160,9 @@ class DecoderForCausalLM(nn.Module):
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         whole = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head,
                  "model.norm.weight": self.norm.weight}
+        if isinstance(tensor, QuantizedWeight):
+            self._load_quantized(name, tensor)
+            return
         if name in whole:
             target = whole[name]
             if target.shape != tensor.shape:
@@ -153,3 +173,25 @@ class DecoderForCausalLM(nn.Module):
         if match is None or int(match[1]) >= len(self.layers):
             raise KeyError(name)
         self.layers[int(match[1])].load(match[2], tensor)
+
+    def _load_quantized(self, name: str, tensor: QuantizedWeight) -> None:
+        """The embedding table or the LM head kept quantized (on CPU; dequantized elsewhere);
+        a layer's linear through its own load."""
+        table = self.embed_tokens if name == "model.embed_tokens.weight" else \
+            self.lm_head if name == "lm_head.weight" else None
+        if table is None:
+            match = _LAYER_NAME.fullmatch(name)
+            if match is None or int(match[1]) >= len(self.layers):
+                raise KeyError(name)
+            self.layers[int(match[1])].load(match[2], tensor)
+            return
+        if tensor.shape != tuple(table.shape):
+            raise ValueError(f"expected shape {tuple(table.shape)}, got {tensor.shape}")
+        if table.device.type != "cpu":
+            table.copy_(tensor.dequantize(table.dtype))
+        elif name == "lm_head.weight":
+            self.lm_head_linear.stage_quantized(0, tensor)
+        else:
+            self.embed_quantized = tensor
+            if self.config.tie_word_embeddings:
+                self.lm_head_linear.stage_quantized(0, tensor)

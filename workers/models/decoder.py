@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import native_rope_store
+from pagedserve.kernels.quant_formats import QuantizedWeight
 from pagedserve.workers.distributed import TPGroup
 from pagedserve.workers.model_config import ModelConfig
 from pagedserve.workers.models.attention import AttentionMetadata, attend, paged_attention
@@ -128,7 +129,9 @@ class GatedMLP(nn.Module):
             if tensor.shape[0] != 2 * self.intermediate_size:
                 raise ValueError(f"expected {2 * self.intermediate_size} rows (gate|up), got "
                                  f"shape {tuple(tensor.shape)}")
-            gate, up = tensor.chunk(2)
+            half = self.intermediate_size
+            gate, up = (tensor.rows(slice(0, half)), tensor.rows(slice(half, 2 * half))) \
+                if isinstance(tensor, QuantizedWeight) else tensor.chunk(2)
             self.gate_up_proj.load(0, gate)
             self.gate_up_proj.load(1, up)
         elif part == "down_proj.weight":

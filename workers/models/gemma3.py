@@ -64,7 +64,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size)).to(dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens).mul_(self.embed_scale)
+        return self.embed_lookup(input_ids).mul_(self.embed_scale)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(_VISION_PREFIXES):

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import native, native_elementwise, native_linear, native_linear_q8, paths
+from pagedserve.kernels import (native, native_elementwise, native_linear, native_linear_gguf,
+                                native_linear_q8, paths)
+from pagedserve.kernels.quant_formats import QuantizedWeight
 # re-exported: the model and the worker ask these here
 from pagedserve.kernels.paths import bf16_prepack_supported, native_cpu_elementwise  # noqa: F401
 from pagedserve.pipeline.config import QUANTIZATIONS
 from pagedserve.workers.distributed import TPGroup
+from pagedserve.workers.models.quantized import QuantizedMatmul
 
 
 def even_split(n: int, parts: int, index: int) -> slice:
@@ -100,17 +103,44 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None   # oneDNN's layout
     panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32 or bf16)
     q8: native_linear_q8.PackedQ8 | None = None   # --quantization int8
+    quantized: QuantizedMatmul | None = None       # kept in the checkpoint's block format
 
     @property
     def prepacked(self) -> bool:
-        return self.packed is not None or self.panels is not None or self.q8 is not None
+        return self.packed is not None or self.panels is not None or self.q8 is not None \
+            or self.quantized is not None
+
+    def stage_quantized(self, offset: int, weight: QuantizedWeight) -> None:
+        """Rows [offset, offset + rows) of the weight, kept quantized (see finish_loading)."""
+        rows, cols = self.weight.shape
+        if weight.k != cols or offset + weight.shape[0] > rows:
+            raise ValueError(f"expected at most {rows - offset} rows of {cols} columns, got "
+                             f"{tuple(weight.shape)}")
+        self.__dict__.setdefault("_staged", []).append((offset, weight))
+
+    def finish_loading(self) -> bool:
+        """After the last tensor: run on the staged quantized parts if they make the whole
+        weight (whose plain copy becomes a meta tensor), else dequantize them into it (a
+        checkpoint that stores part of a fused projection unquantized). Whether it is quantized."""
+        staged = self.__dict__.pop("_staged", None)
+        if not staged:
+            return False
+        weight = self.weight
+        if sum(part.shape[0] for _, part in staged) == weight.shape[0]:
+            self.quantized = QuantizedMatmul(staged, weight.device)
+            self.weight = _param(tuple(weight.shape), weight.dtype, "meta")
+            return True
+        with torch.no_grad():
+            for offset, part in staged:
+                weight[offset:offset + part.shape[0]].copy_(part.dequantize(weight.dtype))
+        return False
 
     def quantize_int8(self) -> bool:
         """--quantization int8: quantize a CPU fp32 weight whose in_features are whole blocks of
         32 (kernels/native_linear_q8.py); whether it did. Other weights stay as they are."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 \
-                or not native_linear_q8.supports(weight.shape[1]):
+                or not native_linear_q8.supports(weight.shape[1]) or self.quantized is not None:
             return False
         self.q8 = native_linear_q8.pack(weight.detach())
         return True
@@ -118,7 +148,7 @@ class PackableLinear(nn.Module):
     def prepack(self) -> bool:
         """Pack a CPU fp32 or (packable) bf16 weight for its kernel; whether it did."""
         weight = self.weight
-        if weight.device.type != "cpu" or self.q8 is not None:
+        if weight.device.type != "cpu" or self.q8 is not None or self.quantized is not None:
             return False
         kernel = paths.cpu_linear(weight.dtype).kernel
         if kernel in (paths.LINEAR_F32, paths.LINEAR_BF16):
@@ -130,6 +160,8 @@ class PackableLinear(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.q8 is not None and x.dim() == 2 and x.dtype == torch.float32:
             return native_linear_q8.linear(x, self.q8)
         if self.panels is not None and x.dim() == 2 and x.dtype == self.panels.dtype:
@@ -144,19 +176,39 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+KEPT_QUANTIZED = ("gguf", "awq", "gptq")
+
+
 def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a --quantization this worker cannot run, at start rather than at the first step."""
+    """Refuse a --quantization this worker cannot run, at start rather than at the first step
+    (`quantization` as resolved for the checkpoint: loader.weights_quantization)."""
     if quantization == "none":
         return
-    if quantization not in QUANTIZATIONS:
+    if quantization not in QUANTIZATIONS or quantization == "auto":
         raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, "
                          f"got {quantization!r}")
+    if quantization in KEPT_QUANTIZED:
+        if device.type == "cpu" and dtype != torch.float32:
+            raise ValueError(f"{quantization} weights kept quantized run on CPU workers in "
+                             f"float32 activations; this worker has {dtype} (--dtype auto or "
+                             f"float32, or --quantization none to dequantize them at load)")
+        if device.type == "cpu" and not native_linear_gguf.available():
+            raise ValueError(f"{quantization} weights kept quantized need the native CPU kernels: "
+                             f"{native.unavailable_reason(native_linear_gguf.FEATURE)} "
+                             f"(--quantization none dequantizes them at load)")
+        return
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"--quantization int8 runs on CPU workers in float32; this worker has "
                          f"{dtype} on {device.type}")
     if not native_linear_q8.available():
         raise ValueError(f"--quantization int8 needs the native CPU kernels: "
                          f"{native.unavailable_reason(native_linear_q8.FEATURE)}")
+
+
+def finish_loading(model: nn.Module) -> tuple[int, int]:
+    """PackableLinear.finish_loading for every linear of `model`: (kept quantized, all)."""
+    linears = [module for module in model.modules() if isinstance(module, PackableLinear)]
+    return sum(module.finish_loading() for module in linears), len(linears)
 
 
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
@@ -213,6 +265,14 @@ class QKVParallelLinear(PackableLinear):
         """This rank's heads of q_proj / k_proj / v_proj's `what` (weight [heads*D, hidden] or
         bias [heads*D])."""
         total, d = self.total_heads[shard], self.head_dim
+        offset = {"q": 0, "k": self.sizes[0], "v": self.sizes[0] + self.sizes[1]}[shard]
+        if isinstance(full, QuantizedWeight) and what == "weight":
+            if full.shape != (total * d, self.hidden_size):
+                raise ValueError(f"{shard}_proj.weight: expected shape {(total * d, self.hidden_size)}"
+                                 f", got {full.shape}")
+            dims = self.head_perm if self.head_perm is not None and shard != "v" else torch.arange(d)
+            self.stage_quantized(offset, full.rows((self.heads[shard][:, None] * d + dims).reshape(-1)))
+            return
         dst = self.weight if what == "weight" else self.bias
         if dst is None:
             raise ValueError(f"{shard}_proj.{what}: this model's projections have no {what}")
@@ -223,7 +283,6 @@ class QKVParallelLinear(PackableLinear):
         heads = full.view(total, d, *tail)[self.heads[shard]]
         if self.head_perm is not None and shard != "v":
             heads = heads[:, self.head_perm]
-        offset = {"q": 0, "k": self.sizes[0], "v": self.sizes[0] + self.sizes[1]}[shard]
         size = self.sizes["qkv".index(shard)]
         _copy_checked(dst[offset:offset + size], heads.reshape(-1, *tail),
                       f"{shard}_proj.{what} rank shard")
@@ -243,7 +302,10 @@ class MergedColumnParallelLinear(PackableLinear):
         self.shard_size = self.rows.stop - self.rows.start
         self.weight = _param((num_merged * self.shard_size, in_features), dtype, device)
 
-    def load(self, index: int, full: torch.Tensor) -> None:
+    def load(self, index: int, full: torch.Tensor | QuantizedWeight) -> None:
+        if isinstance(full, QuantizedWeight):
+            self.stage_quantized(index * self.shard_size, full.rows(self.rows))
+            return
         dst = self.weight[index * self.shard_size:(index + 1) * self.shard_size]
         _copy_checked(dst, full[self.rows], f"merged column shard {index}")
 
@@ -262,7 +324,19 @@ class RowParallelLinear(PackableLinear):
         # every rank holds the whole bias and adds it after the all-reduce
         self.bias = _param((out_features,), dtype, device) if bias else None
 
-    def load(self, full: torch.Tensor, what: str = "weight") -> None:
+    def load(self, full: torch.Tensor | QuantizedWeight, what: str = "weight") -> None:
+        if isinstance(full, QuantizedWeight) and what == "weight":
+            if full.shape[0] != self.weight.shape[0]:
+                raise ValueError(f"row parallel weight: expected {self.weight.shape[0]} rows, "
+                                 f"got shape {full.shape}")
+            try:
+                part = full if full.k == self.weight.shape[1] else full.cols(self.cols)
+            except ValueError:   # this rank's columns cut blocks: its slice dequantized
+                part = None
+            if part is not None:
+                self.stage_quantized(0, part)
+                return
+            full = full.dequantize(self.weight.dtype)
         if what == "bias" and self.bias is not None:
             _copy_checked(self.bias, full, "row parallel bias")
         elif what == "bias":

@@ -1,0 +1,166 @@
+"""kernels/native/linear_gguf.c: every block type against the float64 product of its dequantized
+weights with the quantized activations; the activation quantization bit for bit against its torch
+reference; 1 and 2 threads, and every build variant this machine runs (portable C, AVX2, AVX-512,
+native with VNNI), giving the same bits; rows dequantized like gguf-py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.kernels import native, native_linear_gguf as gl
+from pagedserve.kernels.quant_formats import BLOCKS, QType, QuantizedWeight, dequantize_ref
+
+import native_variants
+
+pytestmark = native_variants.NEEDS_COMPILER
+
+TYPES = list(QType)
+# where each type keeps its fp16 (or fp32 for I4G) block scales, and which are mins
+SCALES = {QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q8_0: [0],
+          QType.Q4_K: [0, 2], QType.Q5_K: [0, 2], QType.Q6_K: [208]}
+EXTREME_HALVES = [65504.0, 6e-8, 0.0, -0.0, 1e-4, 3.0]
+
+
+def random_weight(qtype: QType, n: int, k: int, gen: torch.Generator,
+                  extreme: bool = True) -> QuantizedWeight:
+    """n rows of random blocks: random bytes everywhere, then sane scales (normal, times 1e-3),
+    a share of them extreme (fp16's largest and smallest, zero) when `extreme`."""
+    elements, nbytes = BLOCKS[qtype]
+    raw = torch.randint(0, 256, (n, k // elements, nbytes), dtype=torch.uint8, generator=gen)
+    shape = (n, k // elements)
+    if qtype == QType.I4G:
+        d = torch.randn(shape, generator=gen) * 1e-2
+        m = torch.randn(shape, generator=gen) * 1e-2
+        raw[..., 0:4] = d.view(torch.uint8).view(*shape, 4)
+        raw[..., 4:8] = m.view(torch.uint8).view(*shape, 4)
+        return QuantizedWeight(qtype, raw.view(n, -1).contiguous(), k)
+    for offset in SCALES[qtype]:
+        h = torch.randn(shape, generator=gen) * 1e-3
+        if extreme:
+            pick = torch.rand(shape, generator=gen) < 0.15
+            h[pick] = torch.tensor(EXTREME_HALVES)[torch.randint(
+                0, len(EXTREME_HALVES), (int(pick.sum()),), generator=gen)]
+        raw[..., offset:offset + 2] = h.half().view(torch.uint8).view(*shape, 2)
+    return QuantizedWeight(qtype, raw.view(n, -1).contiguous(), k)
+
+
+def activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Normal rows with a zero block, a tiny block and a large one, when there is room."""
+    x = torch.randn(m, k, generator=gen)
+    if k >= 1024:
+        x[:, 256:288] = 0.0
+        x[:, 512:544] *= 1e-30
+        x[:, 768:800] *= 1e4
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_type_equals_the_float64_product_of_what_it_stands_for(qtype, rng):
+    for n, k, m in ((37, 1024, 1), (5, 512, 3), (64, 256, 17)):
+        w = random_weight(qtype, n, k, rng)
+        x = activations(m, k, rng)
+        got = gl.linear(x, w).double()
+        want = gl.linear_ref(x, w)
+        # each block's sum is exact in int32; its fp32 term and the fp32 sum of the terms round
+        assert torch.all((got - want).abs() <= 1e-5 * _bound(x, w)), (qtype.name, n, k, m)
+
+
+def _bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """|x_quantized| @ |W|^T: what the rounding of the kernel's fp32 sums is relative to."""
+    block = gl.activation_block(w.qtype)
+    q, d, _ = gl.quantize_ref(x, block)
+    xd = (q.double().view(x.shape[0], -1, block) * d.double().unsqueeze(-1)).view(x.shape)
+    return xd.abs() @ dequantize_ref(w.qtype, w.data, w.k).double().abs().t() + 1e-30
+
+
+def test_activation_quantization_is_the_torch_reference_bit_for_bit(rng):
+    x = torch.randn(19, 1024, generator=rng) * 3
+    x[0, :32] = 0.0                       # a zero block
+    x[1, :256] *= 1e-35                   # below 2^-100: zero
+    x[2, 40] = float("inf")               # a block holding inf: d = NaN, q = 0
+    x[3, 300] = float("nan")
+    x[4, :] = torch.arange(1024) - 511.5  # ties at .5 round to even
+    for block in (32, 256):
+        got = gl.quantize_native(x, block)
+        want = gl.quantize_ref(x, block)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        assert torch.equal(got[1].nan_to_num(-1.0), want[1].nan_to_num(-1.0))
+
+
+def test_one_and_two_threads_and_every_build_give_the_same_bits(rng):
+    weights = [random_weight(t, 13, 512, rng) for t in TYPES]
+    x = activations(5, 512, rng)
+    portable = None
+    for variant in native.VARIANTS:
+        if native.variant_unavailable_reason(variant) is not None:
+            continue
+        with native.use_variant(variant):
+            outs = [gl.linear(x, w, threads=1) for w in weights]
+            for w, one in zip(weights, outs):
+                assert torch.equal(one, gl.linear(x, w, threads=2)), (variant, w.qtype.name)
+        if portable is None:
+            with native.use_variant("portable"):
+                portable = [gl.linear(x, w, threads=1) for w in weights]
+        for w, got, want in zip(weights, outs, portable):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (variant, w.qtype.name)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_dequantize_like_gguf_py(qtype, rng):
+    w = random_weight(qtype, 11, 512, rng)
+    rows = torch.tensor([[10, 0], [3, 3]])
+    got = gl.dequantize_rows(w, rows)
+    want = dequantize_ref(qtype, w.data, w.k)[rows]
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+def test_a_permuted_weight_multiplies_x_in_its_order(rng):
+    w = random_weight(QType.I4G, 9, 256, rng)
+    perm = torch.randperm(256, generator=rng)
+    permuted = QuantizedWeight(w.qtype, w.data, w.k, perm)
+    x = torch.randn(3, 256, generator=rng)
+    assert torch.equal(gl.linear(x, permuted), gl.linear(x[:, perm].contiguous(), w))
+    plain = permuted.dequantize()
+    assert torch.allclose(gl.linear(x, permuted).double(), x.double() @ plain.double().t(),
+                          rtol=0.05, atol=0.05)
+
+
+def test_the_output_can_be_columns_of_a_wider_tensor(rng):
+    a, b = random_weight(QType.Q4_K, 8, 512, rng), random_weight(QType.Q8_0, 5, 512, rng)
+    x = torch.randn(4, 512, generator=rng)
+    out = torch.full((4, 20), 9.0)
+    gl.linear(x, a, out=out[:, 2:10])
+    gl.linear(x, b, out=out[:, 12:17])
+    assert torch.equal(out[:, 2:10], gl.linear(x, a)) and torch.equal(out[:, 12:17], gl.linear(x, b))
+    assert (out[:, :2] == 9).all() and (out[:, 10:12] == 9).all() and (out[:, 17:] == 9).all()
+
+
+def test_bad_inputs_are_refused(rng):
+    w = random_weight(QType.Q4_0, 4, 64, rng)
+    with pytest.raises(ValueError, match="features"):
+        gl.linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="fp32"):
+        gl.linear(torch.randn(2, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="rows 0..4 of 4"):
+        gl.dequantize_rows(w, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        QuantizedWeight(QType.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 200)
+    with pytest.raises(ValueError, match="rows of 144 bytes"):
+        QuantizedWeight(QType.Q4_K, torch.zeros(2, 140, dtype=torch.uint8), 256)
+
+
+def test_gguf_py_quantized_weights_multiply_like_their_dequantization():
+    """Weights as llama.cpp's quantizers write them (gguf-py's, for the 32-element types): the
+    product is close to x @ W_dequantized^T, within the activations' int8 rounding."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    gen = torch.Generator().manual_seed(3)
+    wf = torch.randn(40, 512, generator=gen) * 0.05
+    x = torch.randn(6, 512, generator=gen)
+    for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0):
+        data = quantize(wf.numpy(), GGMLQuantizationType(int(qtype)))
+        w = QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(data)), 512)
+        exact = x.double() @ w.dequantize(torch.float64).t()
+        rel = (gl.linear(x, w).double() - exact).norm() / exact.norm()
+        assert rel < 0.01, (qtype.name, float(rel))
