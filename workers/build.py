@@ -65,6 +65,9 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
         dtype = torch.float32   # quantized linears take and give fp32 on CPU
                                 # (kernels/native_linear_q8.py, native_linear_gguf.py)
     cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
+    if cfg.cache.kv_cache_dtype == "auto" and dtype != resolve_dtype(cfg.model.dtype, device):
+        # fp32 only for the quantized linears: the cache keeps what --dtype auto would compute in
+        cache_dtype = resolve_dtype(cfg.model.dtype, device)
     model_config = load_model_config(cfg.model.model)
     init_distributed(rank, tp, cfg.ipc.dist_init_addr, device)
     torch.manual_seed(cfg.model.seed)
