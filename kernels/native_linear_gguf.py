@@ -13,7 +13,7 @@ import torch
 
 from . import native
 from ._checks import require
-from .quant_formats import QType, QuantizedWeight, block_size, dequantize_ref
+from .quant_formats import BLOCKS, QType, QuantizedWeight, block_size, dequantize_ref
 
 FEATURE = "linear_gguf"
 _ZERO_BELOW = 2.0 ** -100   # a block with max|v| under this counts as zero (linear_gguf.c)
@@ -142,3 +142,100 @@ def quantize_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
 
 def supports(qtype: int) -> bool:
     return qtype in set(QType)
+
+
+# ---- a torch implementation of the kernel's own arithmetic, bit for bit -----------------------
+
+def unpack_ref(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """The weight in gguf_unpack.h's one form: (u int64 [n, blocks, B], sc and mc int64 [n,
+    blocks, B/16], d and dm fp32 [n, blocks]), w = d * sc * u - dm * mc per group of 16."""
+    qtype, n = QType(w.qtype), w.shape[0]
+    elements, nbytes = BLOCKS[qtype]
+    raw = w.data.reshape(n, -1, nbytes).to(torch.int64)
+    blocks = raw.shape[1]
+
+    def half(at: int) -> torch.Tensor:
+        return w.data.reshape(n, blocks, nbytes)[..., at:at + 2].contiguous().view(
+            torch.float16).squeeze(-1).float()
+
+    def nibbles(qs: torch.Tensor) -> torch.Tensor:
+        return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+    ones = torch.ones(n, blocks, elements // 16, dtype=torch.int64)
+    if qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G):
+        if qtype == QType.I4G:
+            fields = w.data.reshape(n, blocks, nbytes)[..., :8].contiguous().view(torch.float32)
+            d, dm, u = fields[..., 0], -fields[..., 1], nibbles(raw[..., 8:])
+        elif qtype == QType.Q8_0:
+            d, u = half(0), raw[..., 2:].to(torch.uint8).view(torch.int8).to(torch.int64)
+            dm = torch.zeros_like(d)
+        elif qtype == QType.Q5_0:
+            d = half(0)
+            qh = sum(raw[..., 2 + i] << (8 * i) for i in range(4))
+            bits = (qh.unsqueeze(-1) >> torch.arange(32)) & 1
+            u, dm = nibbles(raw[..., 6:]) | (bits << 4), 16 * d
+        elif qtype == QType.Q4_1:
+            d, dm, u = half(0), -half(2), nibbles(raw[..., 4:])
+        else:
+            d, u = half(0), nibbles(raw[..., 2:])
+            dm = 8 * d
+        return u, ones, ones, d, dm
+    if qtype == QType.Q6_K:
+        ql, qh = raw[..., :128], raw[..., 128:192]
+        scales = raw[..., 192:208].to(torch.uint8).view(torch.int8).to(torch.int64)
+        d = half(208)
+        parts = []
+        for h in range(2):
+            lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+            parts += [(lo[..., :32] & 15) | ((hi & 3) << 4), (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4),
+                      (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4), (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)]
+        return torch.cat(parts, dim=-1), scales, scales, d, 32 * d
+    d, dmin, s = half(0), half(2), raw[..., 4:16]
+    j = torch.arange(8)
+    low = j < 4
+    # ggml's get_scale_min_k4: 6-bit scales and mins, the high two bits of 4..7 in bytes 0..7
+    sc = torch.where(low, s[..., j] & 63,
+                     (s[..., (j + 4).clamp(max=11)] & 15) | ((s[..., (j - 4).clamp(min=0)] >> 6) << 4))
+    mn = torch.where(low, s[..., (j + 4).clamp(max=11)] & 63,
+                     (s[..., (j + 4).clamp(max=11)] >> 4) | ((s[..., j] >> 6) << 4))
+    qs = raw[..., 16:144] if qtype == QType.Q4_K else raw[..., 48:176]
+    parts = []
+    for i in range(4):
+        lo, hi = qs[..., 32 * i:32 * i + 32] & 15, qs[..., 32 * i:32 * i + 32] >> 4
+        if qtype == QType.Q5_K:
+            qh = raw[..., 16:48]
+            lo, hi = lo | (((qh >> (2 * i)) & 1) << 4), hi | (((qh >> (2 * i + 1)) & 1) << 4)
+        parts += [lo, hi]
+    return (torch.cat(parts, dim=-1), sc.repeat_interleave(2, -1), mn.repeat_interleave(2, -1),
+            d, dmin)
+
+
+def linear_exact_ref(x: torch.Tensor, w: QuantizedWeight, unpacked: tuple | None = None,
+                     chunk: int = 4096) -> torch.Tensor:
+    """What `linear` computes, bit for bit, in torch: per block the exact integer sums (here in
+    floats: every partial sum of 16 products is an integer below 2^24, its scaled sum below
+    2^53), the fp32 term d da I1 - dm da I2, the terms summed in fp32 in block order.
+    `unpacked`: unpack_ref(w), when the caller keeps it."""
+    if w.perm is not None:
+        x = x[:, w.perm]
+    block = activation_block(w.qtype)
+    q, da, sums = quantize_ref(x, block)
+    m, k = x.shape
+    blocks, groups = k // block, block // 16
+    qb = q.float().view(m, blocks * groups, 16).transpose(0, 1)            # [bg, m, 16]
+    sb = sums.double().view(m, blocks, groups)
+    u, sc, mc, d, dm = unpacked if unpacked is not None else unpack_ref(w)
+    out = []
+    for start in range(0, w.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        ug = u[rows].float().reshape(-1, blocks * groups, 16).permute(1, 2, 0)  # [bg, 16, n]
+        partial = torch.bmm(qb, ug).view(blocks, groups, m, -1).permute(2, 3, 0, 1)
+        i1 = (partial.double() * sc[rows].double().unsqueeze(0)).sum(-1).float()
+        i2 = (sb.unsqueeze(1) * mc[rows].double().unsqueeze(0)).sum(-1).float()
+        s1, s2 = d[rows].unsqueeze(0) * da.unsqueeze(1), dm[rows].unsqueeze(0) * da.unsqueeze(1)
+        terms = s1 * i1 - s2 * i2
+        acc = torch.zeros(m, terms.shape[1])
+        for b in range(blocks):
+            acc = acc + terms[..., b]
+        out.append(acc)
+    return torch.cat(out, dim=1)

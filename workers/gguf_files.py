@@ -144,7 +144,11 @@ def _scan_gguf(path: Path) -> tuple[dict, int, int, list[TensorInfo]]:
             name = read_str()
             dims = [read("Q") for _ in range(read("I"))]
             qtype = read("I")
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name} has tensor type {qtype}, which this engine "
+                                 f"does not know") from None
             n_elements = 1
             for d in dims:
                 n_elements *= d

@@ -1,8 +1,8 @@
-"""A GGUF file's tensors under Hugging Face names, read through mmap one tensor at a time.
+"""A GGUF file's tensors under Hugging Face names, read from the file one tensor at a time.
 
 Tensors of a block type the kernels multiply as stored (kernels/quant_formats.py: Q4_0, Q4_1,
-Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) come out as `QuantizedWeight`s holding the file's own bytes (copied
-out of the mapping tensor by tensor), unless `keep_quantized` is off; every other tensor is dequantized on its own to `dtype` (one log line
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) come out as `QuantizedWeight`s holding the file's own bytes,
+unless `keep_quantized` is off; every other tensor is dequantized on its own to `dtype` (one log line
 per type). What llama.cpp's converter changed is undone here, as transformers' GGUF reader does:
 llama's q/k rows are permuted back (on the raw rows, whole blocks), Gemma's norms lose the 1 the
 converter added.
@@ -62,11 +62,16 @@ def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantiz
                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) for every tensor of the GGUF at `path`; `config` is the
     model's config.json (heads, for llama's permutation)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     meta, data_start, tensors = gguf_tensors(path)
     arch = meta.get("general.architecture")
-    mapping = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as file:
+        yield from _tensors(path, file, arch, tensors, data_start, config, dtype, keep_quantized)
+
+
+def _tensors(path: Path, file, arch: str, tensors: list, data_start: int, config: dict,
+             dtype: torch.dtype, keep_quantized: bool):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
     heads = {"q_proj": config.get("num_attention_heads"),
              "k_proj": config.get("num_key_value_heads") or config.get("num_attention_heads")}
     dequantized: Counter[str] = Counter()
@@ -76,14 +81,18 @@ def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantiz
             continue
         qtype, cols = tensor.qtype, int(tensor.dims[0])   # ggml's dims[0]: the row length
         rows = int(np.prod(tensor.dims[1:])) if len(tensor.dims) > 1 else 1
-        raw = mapping[data_start + tensor.offset:data_start + tensor.offset + tensor.nbytes]
+        # read, not mapped: the kernels read a mapping's 4 KiB pages at a third of the speed of
+        # anonymous (huge-page) memory, and mapped pages would count twice while loading
+        raw = np.empty(tensor.nbytes, dtype=np.uint8)
+        file.seek(data_start + tensor.offset)
+        if file.readinto(memoryview(raw)) != tensor.nbytes:
+            raise ModelLoadError(f"{path}: truncated GGUF file: tensor {tensor.name} ends past "
+                                 f"the end of the file")
         if qtype in QType._value2member_map_ and keep_quantized and len(tensor.dims) == 2:
-            # copied out of the mapping, one tensor at a time: the kernels read the mapping's
-            # 4 KiB pages at a third of the speed of anonymous (huge-page) memory
             value: torch.Tensor | QuantizedWeight = QuantizedWeight(
-                QType(qtype), torch.from_numpy(raw.reshape(rows, -1).copy()), cols)
+                QType(qtype), torch.from_numpy(raw.reshape(rows, -1)), cols)
         elif qtype == GGMLQuantizationType.F32:
-            value = torch.from_numpy(raw.view(np.float32).copy()).to(dtype)
+            value = torch.from_numpy(raw.view(np.float32)).to(dtype)
         elif qtype == GGMLQuantizationType.F16:
             value = torch.from_numpy(raw.view(np.float16).astype(np.float32)).to(dtype)
         else:

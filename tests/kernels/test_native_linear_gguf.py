@@ -66,6 +66,13 @@ def test_each_type_equals_the_float64_product_of_what_it_stands_for(qtype, rng):
         assert torch.all((got - want).abs() <= 1e-5 * _bound(x, w)), (qtype.name, n, k, m)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_type_is_the_torch_implementation_of_its_arithmetic_bit_for_bit(qtype, rng):
+    w = random_weight(qtype, 21, 512, rng, extreme=False)
+    x = activations(7, 512, rng)
+    assert torch.equal(gl.linear(x, w), gl.linear_exact_ref(x, w))
+
+
 def _bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """|x_quantized| @ |W|^T: what the rounding of the kernel's fp32 sums is relative to."""
     block = gl.activation_block(w.qtype)
