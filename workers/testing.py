@@ -73,12 +73,29 @@ def hf_model(model_dir: str | Path):
     from transformers import AutoModelForCausalLM
 
     from pagedserve.workers.gguf_files import gguf_source
-    gguf_path = gguf_source(Path(model_dir))
-    if gguf_path is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+    if gguf_source(Path(model_dir)) is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_model_from_gguf(model_dir)
+
+
+def hf_model_from_gguf(model_dir: str | Path):
+    """transformers' model class for a described GGUF directory, with the weights our reader
+    dequantizes (workers/gguf_weights.py): transformers' own GGUF loading dequantizes in numpy
+    at a minute for Gemma 3 270M, and gives the same tensors
+    (tests/workers/test_gguf_weights.py holds the reader to it)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedserve.workers.loader import iter_weights
+    config = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = dict(iter_weights(model_dir, torch.float32, keep_quantized=False))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
     return model.eval()
 
 

@@ -26,7 +26,7 @@
 
 #include "paged_attention.h"   /* half_to_float */
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -43,7 +43,11 @@ typedef struct {
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
     return half_to_float(h);
+#endif
 }
 
 #ifdef __AVX2__

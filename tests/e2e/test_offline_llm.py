@@ -30,7 +30,7 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
     expected = hf_greedy(model_dir, ids, max_new_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LLM(model=str(model_dir), tensor_parallel_size=2, dtype="float32",
-             kv_cache_memory="256MiB") as llm:
+             quantization="none", kv_cache_memory="256MiB") as llm:
         launcher = psutil.Process(llm._group.proc.pid)
         roles = [" ".join(c.cmdline()) for c in launcher.children()]
         # scheduler, 2 workers, detokenizer (+ this test process as the client)

@@ -6,7 +6,7 @@ imported without TRITON_INTERPRET); prints one line per compiled variant. The va
 parallel, one process per CPU (each process builds the list of variants itself and compiles the
 ones whose index it is given: kernels do not pickle).
 
-    python tests/kernels/compile_for_gpu.py [ARCH ...]     # default 90 (Hopper); 80: Ampere
+    python tests/kernels/compile_for_gpu.py [ARCH ...] [--all]   # default 90 (Hopper); 80: Ampere
 """
 from __future__ import annotations
 
@@ -92,13 +92,19 @@ def variants():
 
 
 def _quant_linear_variants():
-    """Every weight type with every activation dtype at the decode tile (BLOCK_M 16), at the
-    largest tile (BLOCK_M 64) once per type, and I4G with desc_act's permutation."""
+    """Every weight type at the decode tile (BLOCK_M 16) with bf16 activations (an fp32 dot) and
+    at the largest tile (BLOCK_M 64) with fp16 (an fp16 dot), fp32 activations once, and I4G
+    with desc_act's permutation; with ALL_DTYPES (--all), every type with every dtype."""
     module = importlib.import_module("pagedserve.kernels.triton_quant_linear")
     qtypes = importlib.import_module("pagedserve.kernels.quant_formats").QType
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    cases = [(qtype, act, 16, False) for qtype in qtypes for act in dtypes]
-    cases += [(qtype, "bf16", 64, False) for qtype in qtypes]
+    if ALL_DTYPES:
+        cases = [(qtype, act, 16, False) for qtype in qtypes for act in dtypes]
+        cases += [(qtype, "bf16", 64, False) for qtype in qtypes]
+    else:
+        cases = [(qtype, "bf16", 16, False) for qtype in qtypes]
+        cases += [(qtype, "fp16", 64, False) for qtype in qtypes]
+        cases += [(qtypes.Q4_K, "fp32", 16, False)]
     cases += [(qtypes.I4G, "fp16", 16, True)]
     for qtype, act, block_m, perm in cases:
         dot_dtype, precision = module.dot_operands(dtypes[act])
@@ -141,5 +147,7 @@ def main(archs: list[int]) -> int:
     return 1 if failures else 0
 
 
+ALL_DTYPES = "--all" in sys.argv   # read at import: the pool's workers import this module too
+
 if __name__ == "__main__":
-    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))
+    sys.exit(main([int(a) for a in sys.argv[1:] if a != "--all"] or [90]))

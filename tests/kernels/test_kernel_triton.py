@@ -255,13 +255,13 @@ def test_triton_kernels_compile_for_a_gpu(tmp_path):
     """Every kernel variant compiles to sm_90 machine code within its shared memory (no GPU
     needed; see compile_for_gpu.py): catches what the interpreter cannot, such as an unsupported
     dot shape or loop form, or tiles too big for a head size of 256. Quantized linears: every
-    weight type with every activation dtype."""
+    weight type at both tiles and both dot dtypes (--all: with every activation dtype)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)       # compile for real, not from an earlier cache
     script = os.path.join(os.path.dirname(__file__), "compile_for_gpu.py")
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "\n0 failures" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count(": ok (") >= 67                   # 34 attention/cache + 33 quant_linear
-    assert proc.stdout.count(" quant_linear ") >= 33
+    assert proc.stdout.count(": ok (") >= 52                   # 34 attention/cache + 18 quant_linear
+    assert proc.stdout.count(" quant_linear ") >= 18
 

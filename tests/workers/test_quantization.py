@@ -86,7 +86,7 @@ def test_int8_outside_fp32_cpu_is_refused_at_start(tmp_path, dtype, device, matc
     with pytest.raises(ValueError, match=match):
         ModelRunner(load_config(model_dir), model_dir, dtype, device, BLOCK_SIZE, 4,
                     quantization="int8")
-    with pytest.raises(ValueError, match="none or int8, got 'int4'"):
+    with pytest.raises(ValueError, match="one of auto, none, int8, gguf, awq, gptq; got 'int4'"):
         ModelRunner(load_config(model_dir), model_dir, torch.float32, "cpu", BLOCK_SIZE, 4,
                     quantization="int4")
 

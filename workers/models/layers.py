@@ -185,7 +185,7 @@ def check_quantization(quantization: str, dtype: torch.dtype, device: torch.devi
     if quantization == "none":
         return
     if quantization not in QUANTIZATIONS or quantization == "auto":
-        raise ValueError(f"--quantization must be {' or '.join(QUANTIZATIONS)}, "
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {quantization!r}")
     if quantization in KEPT_QUANTIZED:
         if device.type == "cpu" and dtype != torch.float32:
