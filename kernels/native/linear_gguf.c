@@ -452,6 +452,30 @@ static int8_t *x_scratch(int64_t bytes) {
     return buffer;
 }
 
+#ifdef __AVX2__
+#include "gguf_wide.h"
+
+static void wide_task(void *ctx, int64_t task) {
+    const linear_job *job = ctx;
+    wide_panel p;
+    if (wide_storage(job->k, job->info->block, &p) != 0) {
+        __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const int64_t first = task * job->panels_per_task;
+    int64_t last = first + job->panels_per_task;
+    if (last > job->num_panels) last = job->num_panels;
+    for (int64_t panel_index = first; panel_index < last; panel_index++) {
+        const int64_t n0 = panel_index * WIDE;
+        const int live = job->n - n0 < WIDE ? (int)(job->n - n0) : WIDE;
+        wide_unpack(job->info, job->w + n0 * job->w_stride, job->w_stride, live, job->k, &p);
+        wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
+                            job->ldy, n0, live);
+    }
+}
+#define WIDE_MIN_ROWS 4   /* from here on, the wide panels (fewer rows take the row paths) */
+#endif
+
 static void linear_task(void *ctx, int64_t task) {
     const linear_job *job = ctx;
     const qtype_info *info = job->info;
@@ -517,12 +541,20 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
     const int threads = num_threads < 1 ? 1 : num_threads;
     quant_job qjob = {x, m, k, ldx, info->block, xq, xd, xs};
     pa_run_tasks(threads, quantize_task, &qjob, (m + QUANT_ROWS - 1) / QUANT_ROWS);
+    int64_t cols = PANEL;
+    task_fn run = linear_task;
+#ifdef __AVX2__
+    if (m >= WIDE_MIN_ROWS) {
+        cols = WIDE;
+        run = wide_task;
+    }
+#endif
     linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, 1,
-                      (n + PANEL - 1) / PANEL, 0};
+                      (n + cols - 1) / cols, 0};
     /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
     job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
     if (job.panels_per_task < 1) job.panels_per_task = 1;
-    pa_run_tasks(threads, linear_task, &job,
+    pa_run_tasks(threads, run, &job,
                  (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
     return job.failed ? -2 : 0;
 }

@@ -1,0 +1,177 @@
+/* linear_gguf.c for many rows of x (batched decode, prefill): 16 rows of W unpacked once per
+ * call into the layout of linear_q8.c's panels (for each 4 consecutive k, the 16 rows' 4 bytes
+ * side by side), so that a broadcast quad of x meets 16 output columns in two vectors and no
+ * horizontal sum is needed; block scales per column, [block][16]. Each column's integer sums
+ * and fp32 terms are those of the row paths (gguf_unpack.h), so the bits are the same. AVX2. */
+#ifndef PAGEDSERVE_GGUF_WIDE_H
+#define PAGEDSERVE_GGUF_WIDE_H
+
+#define WIDE 16        /* columns of y a panel */
+#define WIDE_ROWS 3    /* rows of x a pass */
+
+typedef struct {
+    uint8_t *wq;       /* [K / 4][WIDE][4] */
+    float *d, *dm;     /* [K / block][WIDE] */
+    int16_t *sc;       /* [K / 16][WIDE][2] (k-quants) */
+    int32_t *mc;       /* [K / 16][WIDE] (k-quants) */
+    unpacked_row row;  /* one row unpacked, before it is spread into the panel */
+} wide_panel;
+
+/* The calling thread's wide panel for K columns (grown, never shrunk); -1 without memory */
+static int wide_storage(int64_t K, int block, wide_panel *p) {
+    static __thread uint8_t *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    const int64_t blocks = K / block, groups = K / 16;
+    const int64_t sizes[] = {WIDE * K, 4 * WIDE * blocks, 4 * WIDE * blocks, 4 * WIDE * groups,
+                             4 * WIDE * groups, K, K, 2 * groups, 4 * blocks, 4 * blocks};
+    int64_t offsets[10], total = 0;
+    for (int i = 0; i < 10; i++) {
+        offsets[i] = total;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
+    if (total > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)total);
+        capacity = buffer ? total : 0;
+    }
+    if (buffer == NULL) return -1;
+    p->wq = buffer + offsets[0];
+    p->d = (float *)(buffer + offsets[1]);
+    p->dm = (float *)(buffer + offsets[2]);
+    p->sc = (int16_t *)(buffer + offsets[3]);
+    p->mc = (int32_t *)(buffer + offsets[4]);
+    p->row.u = buffer + offsets[5];
+    p->row.sc2 = (int16_t *)(buffer + offsets[6]);
+    p->row.mc = (int16_t *)(buffer + offsets[7]);
+    p->row.d = (float *)(buffer + offsets[8]);
+    p->row.dm = (float *)(buffer + offsets[9]);
+    return 0;
+}
+
+static void wide_unpack(const qtype_info *info, const uint8_t *w, int64_t stride, int live,
+                        int64_t K, wide_panel *p) {
+    const int64_t blocks = K / info->block;
+    for (int c = 0; c < WIDE; c++) {
+        info->unpack(w + (c < live ? c : live - 1) * stride, K, &p->row);
+        for (int64_t q = 0; q < K / 4; q++) memcpy(p->wq + (q * WIDE + c) * 4, p->row.u + 4 * q, 4);
+        for (int64_t b = 0; b < blocks; b++) {
+            p->d[b * WIDE + c] = p->row.d[b];
+            p->dm[b * WIDE + c] = p->row.dm[b];
+        }
+        if (info->kquant)
+            for (int64_t g = 0; g < K / 16; g++) {
+                p->sc[(g * WIDE + c) * 2] = p->sc[(g * WIDE + c) * 2 + 1] = p->row.sc2[8 * g];
+                p->mc[g * WIDE + c] = p->row.mc[g];
+            }
+    }
+}
+
+static inline __m256i quad_of(const int8_t *x) {
+    int32_t quad;
+    memcpy(&quad, x, 4);
+    return _mm256_set1_epi32(quad);
+}
+
+/* acc[r][h] += the block's terms for the 8 columns of half h */
+static inline void wide_terms(__m256 acc[2], const wide_panel *p, int64_t b, float da,
+                              const __m256i i1[2], const __m256i i2[2]) {
+    const __m256 dav = _mm256_set1_ps(da);
+    for (int h = 0; h < 2; h++) {
+        const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(p->d + b * WIDE + 8 * h), dav);
+        const __m256 s2 = _mm256_mul_ps(_mm256_loadu_ps(p->dm + b * WIDE + 8 * h), dav);
+        acc[h] = _mm256_add_ps(acc[h], _mm256_sub_ps(_mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1[h])),
+                                                     _mm256_mul_ps(s2, _mm256_cvtepi32_ps(i2[h]))));
+    }
+}
+
+#define DEFINE_WIDE_ROWS(ROWS)                                                                   \
+static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const int8_t *xq,     \
+                             const float *xd, const int16_t *xs, int64_t K,                      \
+                             float out[WIDE_ROWS][WIDE]) {                                       \
+    const int64_t B = info->block, blocks = K / B;                                                \
+    __m256 acc[ROWS][2];                                                                         \
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
+    for (int64_t b = 0; b < blocks; b++) {                                                       \
+        __m256i i1[ROWS][2], i2[ROWS][2];                                                        \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            i1[r][0] = i1[r][1] = i2[r][0] = i2[r][1] = _mm256_setzero_si256();                  \
+        if (!info->kquant) {                                                                     \
+            for (int q = 0; q < 8; q++) {                                                        \
+                const uint8_t *wb = p->wq + (b * 8 + q) * WIDE * 4;                              \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wb);                      \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 32));               \
+                for (int r = 0; r < ROWS; r++) {                                                 \
+                    const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * q);                     \
+                    if (info->signed_u) {                                                        \
+                        i1[r][0] = _mm256_add_epi32(i1[r][0], DOT_U8S8(_mm256_abs_epi8(w0),      \
+                                                                       _mm256_sign_epi8(xv, w0)));\
+                        i1[r][1] = _mm256_add_epi32(i1[r][1], DOT_U8S8(_mm256_abs_epi8(w1),      \
+                                                                       _mm256_sign_epi8(xv, w1)));\
+                    } else {                                                                     \
+                        i1[r][0] = _mm256_add_epi32(i1[r][0], DOT_U8S8(w0, xv));                 \
+                        i1[r][1] = _mm256_add_epi32(i1[r][1], DOT_U8S8(w1, xv));                 \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const int16_t *s = xs + r * (K / 16) + 2 * b;                                    \
+                i2[r][0] = i2[r][1] = _mm256_set1_epi32((int32_t)s[0] + (int32_t)s[1]);          \
+            }                                                                                    \
+        } else {                                                                                 \
+            for (int64_t g = 16 * b; g < 16 * b + 16; g++) {                                     \
+                const __m256i sc0 = _mm256_loadu_si256((const __m256i *)(p->sc + g * WIDE * 2)); \
+                const __m256i sc1 = _mm256_loadu_si256(                                          \
+                    (const __m256i *)(p->sc + g * WIDE * 2 + 16));                               \
+                const __m256i mc0 = _mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE));     \
+                const __m256i mc1 = _mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE + 8)); \
+                for (int q = 0; q < 4; q++) {                                                    \
+                    const uint8_t *wb = p->wq + (g * 4 + q) * WIDE * 4;                          \
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)wb);                  \
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 32));           \
+                    for (int r = 0; r < ROWS; r++) {                                             \
+                        const __m256i xv = quad_of(xq + r * K + 16 * g + 4 * q);                 \
+                        i1[r][0] = _mm256_add_epi32(i1[r][0], _mm256_madd_epi16(                 \
+                            _mm256_maddubs_epi16(w0, xv), sc0));                                 \
+                        i1[r][1] = _mm256_add_epi32(i1[r][1], _mm256_madd_epi16(                 \
+                            _mm256_maddubs_epi16(w1, xv), sc1));                                 \
+                    }                                                                            \
+                }                                                                                \
+                for (int r = 0; r < ROWS; r++) {                                                 \
+                    const __m256i sv = _mm256_set1_epi32(xs[r * (K / 16) + g]);                  \
+                    i2[r][0] = _mm256_add_epi32(i2[r][0], _mm256_mullo_epi32(mc0, sv));          \
+                    i2[r][1] = _mm256_add_epi32(i2[r][1], _mm256_mullo_epi32(mc1, sv));          \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            wide_terms(acc[r], p, b, xd[r * blocks + b], i1[r], i2[r]);                          \
+    }                                                                                            \
+    for (int r = 0; r < ROWS; r++) {                                                             \
+        _mm256_storeu_ps(out[r], acc[r][0]);                                                     \
+        _mm256_storeu_ps(out[r] + 8, acc[r][1]);                                                 \
+    }                                                                                            \
+}
+DEFINE_WIDE_ROWS(1)
+DEFINE_WIDE_ROWS(2)
+DEFINE_WIDE_ROWS(3)
+
+/* y[t][n0 .. n0 + live) for every row t of x, one wide panel */
+static void wide_panel_all_rows(const wide_panel *p, const qtype_info *info, const int8_t *xq,
+                                const float *xd, const int16_t *xs, int64_t m, int64_t K,
+                                float *y, int64_t ldy, int64_t n0, int live) {
+    float out[WIDE_ROWS][WIDE];
+    const int64_t blocks = K / info->block;
+    for (int64_t t = 0; t < m; t += WIDE_ROWS) {
+        const int64_t rows = m - t < WIDE_ROWS ? m - t : WIDE_ROWS;
+        const int8_t *x = xq + t * K;
+        const float *d = xd + t * blocks;
+        const int16_t *s = xs + t * (K / 16);
+        if (rows == 1) wide_rows_1(p, info, x, d, s, K, out);
+        else if (rows == 2) wide_rows_2(p, info, x, d, s, K, out);
+        else wide_rows_3(p, info, x, d, s, K, out);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(y + (t + r) * ldy + n0, out[r], sizeof(float) * (size_t)live);
+    }
+}
+
+#endif
