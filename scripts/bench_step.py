@@ -143,7 +143,8 @@ def bench_hf(model_dir: Path, random_weights: bool, config, context: int, dtype:
     if random_weights:
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        from pagedserve.workers.testing import hf_model
+        hf = hf_model(model_dir).to(dtype)   # a GGUF's: from our reader
     hf.to(device).eval()
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

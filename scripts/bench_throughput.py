@@ -326,13 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
 def compare_with_hf(requests: list[BenchRequest], args: argparse.Namespace, model_dir: Path,
                     tokenizer, dtype: torch.dtype, device: str, our_output_tok_s: float) -> dict:
     """transformers static batching swept over --hf-batch-sizes; the best size is the baseline."""
-    from transformers import AutoModelForCausalLM
-
     subset, what = hf_sample(requests, args.hf_num_prompts, args.seed)
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     print(f"transformers static batching, batch sizes {sizes}, on {what}:", flush=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    from pagedserve.workers.testing import hf_model
+    hf = hf_model(model_dir).to(dtype).to(device).eval()   # a GGUF's: from our reader
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _generate_batch(hf, subset[:1], 2, pad_id, device)  # warm-up

@@ -88,9 +88,11 @@ def _tensors(path: Path, file, arch: str, tensors: list, data_start: int, config
         if file.readinto(memoryview(raw)) != tensor.nbytes:
             raise ModelLoadError(f"{path}: truncated GGUF file: tensor {tensor.name} ends past "
                                  f"the end of the file")
-        if qtype in QType._value2member_map_ and keep_quantized and len(tensor.dims) == 2:
+        if qtype in QType._value2member_map_ and len(tensor.dims) == 2:
             value: torch.Tensor | QuantizedWeight = QuantizedWeight(
                 QType(qtype), torch.from_numpy(raw.reshape(rows, -1)), cols)
+            if not keep_quantized:   # the native dequantization is gguf-py's, bit for bit
+                value = _dequantized(value, dtype)
         elif qtype == GGMLQuantizationType.F32:
             value = torch.from_numpy(raw.view(np.float32)).to(dtype)
         elif qtype == GGMLQuantizationType.F16:
@@ -109,6 +111,17 @@ def _tensors(path: Path, file, arch: str, tensors: list, data_start: int, config
     for type_name, count in sorted(dequantized.items()):
         logger.info("%s: %d %s tensors dequantized to %s at load (no kernel multiplies "
                     "%s as stored)", path.name, count, type_name, dtype, type_name)
+
+
+def _dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as `dtype` (the native kernels' rows when they load: gguf-py's numpy takes
+    tens of seconds for a 0.5B model)."""
+    from pagedserve.kernels import native_linear_gguf
+    if native_linear_gguf.available():
+        rows = native_linear_gguf.dequantize_rows(weight, torch.arange(weight.shape[0]))
+    else:
+        rows = weight.dequantize()
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def _type_name(qtype: int) -> str:
