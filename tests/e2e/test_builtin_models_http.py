@@ -16,11 +16,11 @@ from tests.faults.conftest import Group
 pytestmark = pytest.mark.slow
 
 
-def serve(name: str):
+def serve(name: str, *extra: str):
     model_dir = resolve_model(name)
     # a request without max_tokens reserves the whole context: 2,048 tokens fit the test's cache
     group = Group(model_dir, http=True,
-                  extra=("--served-model-name", name, "--max-model-len", "2048"))
+                  extra=("--served-model-name", name, "--max-model-len", "2048", *extra))
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{group.port}/v1", api_key="none",
                         max_retries=0, timeout=300)
     return group, sdk, model_dir
@@ -63,7 +63,7 @@ def test_qwen_chat_streaming_n2_logprobs_stop():
 
 def test_gemma_base_model_serves_completions_and_refuses_chat():
     name = "gemma-3-270m"
-    group, sdk, model_dir = serve(name)
+    group, sdk, model_dir = serve(name, "--quantization", "none")   # greedy = transformers
     try:
         r = httpx.post(f"http://127.0.0.1:{group.port}/v1/chat/completions", timeout=60,
                        json={"model": name, "messages": [{"role": "user", "content": "hi"}]})

@@ -68,6 +68,21 @@ class Group:
         self.output = f"ipc://{self.ipc_dir}/output.sock"
         self.client = EngineClient(self.frontend, self.output, connect_timeout=600)
         self.wait_healthy(600)
+        if http:   # the engine can be up before the ingress listens
+            self.wait_http(120)
+
+    def wait_http(self, timeout: float) -> None:
+        import httpx
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, f"group exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, "the ingress did not answer /health in time"
+            time.sleep(0.2)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
