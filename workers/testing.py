@@ -87,8 +87,10 @@ def hf_model_from_gguf(model_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedserve.workers.loader import iter_weights
+    from transformers.initialization import no_init_weights
     config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():   # every weight is loaded below: no random init to pay for
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = dict(iter_weights(model_dir, torch.float32, keep_quantized=False))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
