@@ -19,8 +19,7 @@ typedef struct {
 
 /* The calling thread's wide panel for K columns (grown, never shrunk); -1 without memory */
 static int wide_storage(int64_t K, int block, wide_panel *p) {
-    static __thread uint8_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
+    static __thread thread_buffer storage;
     const int64_t blocks = K / block, groups = K / 16;
     const int64_t sizes[] = {WIDE * K, 4 * WIDE * blocks, 4 * WIDE * blocks, 4 * WIDE * groups,
                              4 * WIDE * groups, K, K, 2 * groups, 4 * blocks, 4 * blocks};
@@ -29,11 +28,7 @@ static int wide_storage(int64_t K, int block, wide_panel *p) {
         offsets[i] = total;
         total += (sizes[i] + 63) / 64 * 64;
     }
-    if (total > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)total);
-        capacity = buffer ? total : 0;
-    }
+    uint8_t *buffer = thread_buffer_get(&storage, total);
     if (buffer == NULL) return -1;
     p->wq = buffer + offsets[0];
     p->d = (float *)(buffer + offsets[1]);

@@ -29,6 +29,7 @@
 
 #include "gguf_unpack.h"
 #include "paged_attention.h"
+#include "thread_buffer.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -223,16 +224,10 @@ typedef struct {
 
 /* The calling thread's panel for K columns (grown, never shrunk); -1 if it cannot be allocated */
 static int panel_storage(int64_t K, int block, panel *w) {
-    static __thread uint8_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
+    static __thread thread_buffer storage;
     const int64_t scales_at = (2 * K + K / 8 + 63) / 64 * 64;      /* after u, sc2, mc */
     const int64_t per_row = (scales_at + 8 * (K / block) + 63) / 64 * 64;
-    const int64_t bytes = per_row * PANEL + 2 * 4 * PANEL * (K / block);
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        capacity = buffer ? bytes : 0;
-    }
+    uint8_t *buffer = thread_buffer_get(&storage, per_row * PANEL + 2 * 4 * PANEL * (K / block));
     if (buffer == NULL) return -1;
     for (int r = 0; r < PANEL; r++) {
         uint8_t *p = buffer + r * per_row;
@@ -263,14 +258,8 @@ static void unpack_panel(const qtype_info *info, const uint8_t *w, int64_t strid
 /* The calling thread's buffer for the quantized x (grown, never shrunk: a prefill chunk's
  * worth, allocated fresh, would be an mmap that page-faults on every call) */
 static int8_t *x_scratch(int64_t bytes) {
-    static __thread int8_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        capacity = buffer ? bytes : 0;
-    }
-    return buffer;
+    static __thread thread_buffer buffer;
+    return thread_buffer_get(&buffer, bytes);
 }
 
 #ifdef __AVX2__

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "paged_attention.h"
+#include "thread_buffer.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -221,17 +222,10 @@ static void q8_task(void *ctx, int64_t task) {
     }
 }
 
-/* The calling thread's buffer for quantized x (grown, never shrunk): a fresh allocation of a
- * prefill chunk's size would be an mmap that page-faults on every call. */
+/* The calling thread's buffer for quantized x (thread_buffer.h) */
 static int8_t *q8_scratch(int64_t bytes) {
-    static __thread int8_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        capacity = buffer ? bytes : 0;
-    }
-    return buffer;
+    static __thread thread_buffer buffer;
+    return thread_buffer_get(&buffer, bytes);
 }
 
 /* y[m][0..n) = x[m][0..k) . W[0..n)[0..k) for W packed by the wrapper (wq: [P][K/4][16][4]

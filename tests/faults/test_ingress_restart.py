@@ -42,15 +42,7 @@ def test_ingress_kill_drops_its_clients_frees_blocks_and_restarts(model_dir):
             t.join(60)
         assert len(errors) == 8 and all(e is not None for e in errors)
         assert group.blocks_in_use() == 0  # the scheduler noticed the silent client
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "ingress did not come back"
-            time.sleep(0.5)
+        group.wait_http(120)   # the ingress came back
         r = httpx.post(f"{base}/v1/completions", timeout=120,
                        json={"model": model, "prompt": "Hello", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
