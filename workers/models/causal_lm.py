@@ -160,8 +160,8 @@ class DecoderForCausalLM(nn.Module):
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         whole = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head,
                  "model.norm.weight": self.norm.weight}
-        if isinstance(tensor, QuantizedWeight):
-            self._load_quantized(name, tensor)
+        if isinstance(tensor, QuantizedWeight) and name in whole:
+            self._load_quantized_table(name, tensor)
             return
         if name in whole:
             target = whole[name]
@@ -174,17 +174,9 @@ class DecoderForCausalLM(nn.Module):
             raise KeyError(name)
         self.layers[int(match[1])].load(match[2], tensor)
 
-    def _load_quantized(self, name: str, tensor: QuantizedWeight) -> None:
-        """The embedding table or the LM head kept quantized (on CPU; dequantized elsewhere);
-        a layer's linear through its own load."""
-        table = self.embed_tokens if name == "model.embed_tokens.weight" else \
-            self.lm_head if name == "lm_head.weight" else None
-        if table is None:
-            match = _LAYER_NAME.fullmatch(name)
-            if match is None or int(match[1]) >= len(self.layers):
-                raise KeyError(name)
-            self.layers[int(match[1])].load(match[2], tensor)
-            return
+    def _load_quantized_table(self, name: str, tensor: QuantizedWeight) -> None:
+        """The embedding table or the LM head kept quantized on CPU (dequantized elsewhere)."""
+        table = self.embed_tokens if name == "model.embed_tokens.weight" else self.lm_head
         if tensor.shape != tuple(table.shape):
             raise ValueError(f"expected shape {tuple(table.shape)}, got {tensor.shape}")
         if table.device.type != "cpu":
