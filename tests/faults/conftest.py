@@ -52,7 +52,7 @@ class Group:
     """One launched group, a ZMQ client on it, and handles on its role processes."""
 
     def __init__(self, model_dir, *, tp: int = 1, fault: str = "", http: bool = False,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), wait_http: bool = True):
         # A folder the launcher creates (and so removes) inside one of ours
         self.parent_dir = tempfile.mkdtemp(prefix="pagedserve-test-")
         self.ipc_dir = os.path.join(self.parent_dir, "ipc")
@@ -68,7 +68,7 @@ class Group:
         self.output = f"ipc://{self.ipc_dir}/output.sock"
         self.client = EngineClient(self.frontend, self.output, connect_timeout=600)
         self.wait_healthy(600)
-        if http:   # the engine can be up before the ingress listens
+        if http and wait_http:   # the engine can be up before the ingress listens
             self.wait_http(120)
 
     def wait_http(self, timeout: float) -> None:

@@ -55,7 +55,8 @@ def test_ingress_kill_drops_its_clients_frees_blocks_and_restarts(model_dir):
 def test_a_hung_ingress_is_restarted_and_serves_again(model_dir):
     """The ingress's event loop blocks on its 3rd HTTP request (PAGEDSERVE_FAULT hang): its
     heartbeats stop, the launcher restarts it, and the next requests are served."""
-    group = Group(model_dir, http=True, fault="ingress:hang@msg=3")
+    # no /health polling first: the fault counts the ingress's HTTP messages
+    group = Group(model_dir, http=True, fault="ingress:hang@msg=3", wait_http=False)
     base = f"http://127.0.0.1:{group.port}"
     try:
         first = group.pid_of("ingress")
