@@ -144,7 +144,7 @@ def bench_hf(model_dir: Path, random_weights: bool, config, context: int, dtype:
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     else:
         from pagedserve.workers.testing import hf_model
-        hf = hf_model(model_dir).to(dtype)   # a GGUF's: from our reader
+        hf = hf_model.__wrapped__(model_dir).to(dtype)   # uncached: converted here
     hf.to(device).eval()
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

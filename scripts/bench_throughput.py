@@ -331,7 +331,7 @@ def compare_with_hf(requests: list[BenchRequest], args: argparse.Namespace, mode
     print(f"transformers static batching, batch sizes {sizes}, on {what}:", flush=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     from pagedserve.workers.testing import hf_model
-    hf = hf_model(model_dir).to(dtype).to(device).eval()   # a GGUF's: from our reader
+    hf = hf_model.__wrapped__(model_dir).to(dtype).to(device).eval()   # uncached: converted here
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _generate_batch(hf, subset[:1], 2, pad_id, device)  # warm-up

@@ -1,6 +1,7 @@
 """Test helpers: tiny random-weight model directories, and transformers' own greedy decode."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -66,9 +67,10 @@ def make_tiny_model(path: str | Path, architecture: str, *, seed: int = 0, std: 
     return path
 
 
+@functools.lru_cache(maxsize=1)   # tests ask for the same reference several times in a row
 def hf_model(model_dir: str | Path):
     """transformers' own model of a checkpoint in fp32, eval mode (a described GGUF directory:
-    transformers dequantizes the GGUF it names)."""
+    built from our reader of the GGUF it names, hf_model_from_gguf). Not to be modified."""
     import torch
     from transformers import AutoModelForCausalLM
 

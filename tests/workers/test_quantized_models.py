@@ -102,7 +102,7 @@ def greedy(run: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name", [m[0] for m in MODELS])
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct"])   # Qwen's types: the kernel tests
 def test_greedy_tokens_equal_torch_doing_the_same_quantized_arithmetic(name, sharegpt_turns,
                                                                       monkeypatch):
     model_dir = resolve_model(name)
