@@ -10,6 +10,14 @@
 /* Few rows of x (decode): the 32-element types' blocks unpacked in registers, straight from the
  * weight's bytes, with the same integer sums and fp32 terms as dot_panel_32 (no store of the
  * unpacked rows, no scale transposition). QTYPE is a constant in each instantiation. */
+/* The 4 rows' block terms d da I1 - dm da I2 (the row paths' block_term, lane by lane) */
+static inline __m128 direct_terms(const float d[4], const float dm[4], float da, __m128i i1,
+                                  __m128i i2) {
+    const __m128 dav = _mm_set1_ps(da);
+    const __m128 s1 = _mm_mul_ps(_mm_loadu_ps(d), dav), s2 = _mm_mul_ps(_mm_loadu_ps(dm), dav);
+    return _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(i1)), _mm_mul_ps(s2, _mm_cvtepi32_ps(i2)));
+}
+
 static inline __m256i direct_bytes(int qtype, const uint8_t *blk, float *d, float *dm) {
     switch (qtype) {
         case T_Q4_0: *d = load_half(blk); *dm = 8.0f * *d; return nibbles32_vec(blk + 2);
@@ -51,11 +59,8 @@ static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, c
             v[r] = QTYPE == T_Q8_0 ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))      \
                                    : DOT_U8S8(u, a);                                            \
         }                                                                                       \
-        const __m128i i1 = hsum4(v[0], v[1], v[2], v[3]);                                       \
-        const __m128 i2 = _mm_cvtepi32_ps(_mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1])); \
-        const __m128 dav = _mm_set1_ps(xd[b]);                                                  \
-        const __m128 s1 = _mm_mul_ps(_mm_loadu_ps(d), dav), s2 = _mm_mul_ps(_mm_loadu_ps(dm), dav); \
-        acc = _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(i1)), _mm_mul_ps(s2, i2))); \
+        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),       \
+            _mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1])));                       \
     }                                                                                           \
     _mm_storeu_ps(out, acc);                                                                    \
 }
@@ -102,11 +107,8 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
                                                                 _mm256_set1_epi16(sc[r][2 * i + 1])));
             }
         }
-        const __m128 dav = _mm_set1_ps(xd[b]);
-        const __m128 s1 = _mm_mul_ps(_mm_loadu_ps(d), dav), s2 = _mm_mul_ps(_mm_loadu_ps(dm), dav);
-        const __m128 i2v = _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)i2));
-        acc = _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(hsum4(v[0], v[1], v[2], v[3]))),
-                                         _mm_mul_ps(s2, i2v)));
+        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
+                                           _mm_loadu_si128((const __m128i *)i2)));
     }
     _mm_storeu_ps(out, acc);
 }
@@ -158,11 +160,8 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
                 }
             }
         }
-        const __m128 dav = _mm_set1_ps(xd[b]);
-        const __m128 s1 = _mm_mul_ps(_mm_loadu_ps(d), dav), s2 = _mm_mul_ps(_mm_loadu_ps(dm), dav);
-        const __m128 i2v = _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)i2));
-        acc = _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(hsum4(v[0], v[1], v[2], v[3]))),
-                                         _mm_mul_ps(s2, i2v)));
+        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
+                                           _mm_loadu_si128((const __m128i *)i2)));
     }
     _mm_storeu_ps(out, acc);
 }

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from triton_mode import triton_runs_here
+from triton_mode import run_in_interpreter, triton_runs_here
 from paged_inputs import (WINDOW_SHAPES, chunked_prefill, make_kv_cache, rel_error,
                           shuffled_block_tables, window_case)
 
@@ -242,13 +242,7 @@ def test_store_kv_converts_into_narrow_caches(triton_kernels, rng, device, cache
 
 @pytest.mark.skipif(triton_runs_here(), reason="the Triton tests above run in this process")
 def test_triton_suite_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-k", "not in_subprocess and not compile_for_a_gpu", __file__],
-                            env=env, capture_output=True, text=True, timeout=300)
-    summary = result.stdout.strip().splitlines()[-1]
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in summary and "skipped" not in summary, summary
+    run_in_interpreter(__file__, "not in_subprocess and not compile_for_a_gpu")
 
 
 def test_triton_kernels_compile_for_a_gpu(tmp_path):

@@ -4,14 +4,11 @@
 Weights are gguf-py's quantization of random floats (the 32-element types: gguf-py cannot
 quantize K types) and random raw bytes with sane scales (every type); both have zero scales."""
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from paged_inputs import rel_error
-from triton_mode import DEVICE
+from triton_mode import DEVICE, run_in_interpreter
 
 from pagedserve.kernels import _checks
 from pagedserve.kernels.quant_formats import BLOCKS, QType, QuantizedWeight
@@ -131,10 +128,4 @@ def test_shapes_and_errors(quant_linear, rng):
 
 @pytest.mark.skipif(kernels_run_here(), reason="the Triton tests above run in this process")
 def test_quant_linear_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-k", "not in_subprocess", __file__],
-                            env=env, capture_output=True, text=True, timeout=300)
-    summary = result.stdout.strip().splitlines()[-1]
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in summary and "skipped" not in summary, summary
+    run_in_interpreter(__file__, "not in_subprocess")

@@ -28,3 +28,18 @@ def triton_runs_here() -> bool:
     modules = kernel_modules()
     return all(isinstance(getattr(modules[name], kernel), InterpretedFunction)
                for name, kernel in KERNEL_MODULES.items())
+
+
+def run_in_interpreter(path: str, select: str) -> None:
+    """Run the tests of `path` that `select` (a pytest -k expression) picks in a fresh process
+    under TRITON_INTERPRET=1 (this one imported triton without it), and assert they all passed."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-k", select, path], env=env, capture_output=True, text=True,
+                            timeout=300)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in summary and "skipped" not in summary, summary
