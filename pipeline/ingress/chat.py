@@ -96,10 +96,15 @@ class _ChatView:
                     "logprobs": self._logprobs(s.token_ids, s.logprobs, s.top_logprobs),
                     "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
                    for s in out.outputs]
-        return {"id": out.request_id, "object": "chat.completion", "created": self.created,
+        body = {"id": out.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(out.prompt_token_ids),
                                sum(len(s.token_ids) for s in out.outputs))}
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
+            for choice, s in zip(choices, out.outputs):
+                choice["token_ids"] = list(s.token_ids)
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.engine_request.request_id, "object": "chat.completion.chunk",
@@ -110,8 +115,11 @@ class _ChatView:
 
     async def sse(self, first: tuple[int, Any], stream: AsyncIterator) -> AsyncIterator[bytes]:
         for i in range(self.n):
-            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
+            chunk = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            if self.req.return_token_ids:
+                chunk["prompt_token_ids"] = list(self.engine_request.prompt_token_ids)
+            yield sse(chunk)
         num_generated = 0
         async for _, delta in prepend(first, stream):
             if not (delta.text or delta.token_ids or delta.finish_reason):
@@ -124,6 +132,8 @@ class _ChatView:
                       "finish_reason": delta.finish_reason}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
+            if self.req.return_token_ids:
+                choice["token_ids"] = list(delta.token_ids)
             yield sse(self._chunk([choice]))
         if self.req.include_usage:
             final = self._chunk([])

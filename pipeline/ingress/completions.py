@@ -106,6 +106,9 @@ class _CompletionView:
                                 "text": self.echo_texts[pos] + sample.text,
                                 "logprobs": logprobs, "finish_reason": sample.finish_reason,
                                 "stop_reason": sample.stop_reason})
+                if self.req.return_token_ids:
+                    choices[-1]["token_ids"] = list(sample.token_ids)
+                    choices[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
         body = self._envelope(choices)
         body["usage"] = usage(self.num_prompt_tokens, num_generated)
         return body
@@ -115,6 +118,7 @@ class _CompletionView:
         echo_pending = {pos * self.n + i for pos, text in enumerate(self.echo_texts) if text
                         for i in range(self.n)}
         logprobs: dict[int, CompletionLogprobs] = {}
+        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         num_generated = 0
         async for pos, delta in prepend(first, stream):
             if not (delta.text or delta.token_ids or delta.finish_reason):
@@ -130,6 +134,11 @@ class _CompletionView:
             if self.req.logprobs is not None:
                 lp = logprobs.setdefault(index, CompletionLogprobs(self.ctx.token_text))
                 choice["logprobs"] = lp.chunk(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            if self.req.return_token_ids:
+                choice["token_ids"] = list(delta.token_ids)
+                if index not in ids_sent:
+                    ids_sent.add(index)
+                    choice["prompt_token_ids"] = list(self.engine_requests[pos].prompt_token_ids)
             chunk = self._envelope([choice])
             if include_usage:
                 chunk["usage"] = None

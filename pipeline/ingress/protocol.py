@@ -82,6 +82,9 @@ class _SamplingFields(_Body):
     priority: _doc(int, **_INT64) | None = Field(None, description="lower runs first (priority "
                                                  "scheduling)")
     cache_salt: str | None = None
+    return_token_ids: bool | None = Field(
+        None, description="also send the token ids: each choice's `token_ids`, and the prompt's "
+        "`prompt_token_ids` (first chunk of a stream); the router resumes streams with them")
 
     @property
     def include_usage(self) -> bool:
