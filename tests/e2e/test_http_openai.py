@@ -164,3 +164,15 @@ def test_a_message_no_role_handles_is_logged_counted_and_exported(server):
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_deploy_dashboard_and_hpa_metrics_are_exported(server):
+    """Every series the Grafana dashboard and the HPA (through prometheus-adapter's rules) in
+    deploy/ query is one this running engine exports."""
+    from tests.deploy.deploy_files import exported_series, missing_from, used_metric_names
+    _, base, sdk, model = server
+    sdk.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+    exported = exported_series(httpx.get(f"{base}/metrics", timeout=30).text)
+    used = used_metric_names()
+    assert "vllm:num_requests_waiting" in used
+    assert missing_from(exported, used) == set()
