@@ -40,17 +40,53 @@
 
 /* ---- activation quantization ---------------------------------------------------------- */
 
+/* max |v| over a block; *finite = 0 when it holds inf or NaN (then the max is not used) */
+static inline float block_amax(const float *v, int block, int *finite) {
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 ok = 0xffff;
+    for (int i = 0; i < block; i += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + i));
+        ok &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ);
+        vmax = _mm512_max_ps(vmax, a);
+    }
+    *finite = ok == 0xffff;
+    return _mm512_reduce_max_ps(vmax);
+#else
+    float amax = 0.0f;
+    *finite = 1;
+    for (int i = 0; i < block; i++) {
+        const float a = fabsf(v[i]);
+        *finite &= a <= 3.4028234e38f;
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+#endif
+}
+
+/* q = round-half-even(v * id) for 16 values (|q| <= 127); returns their sum */
+static inline int16_t round_group(const float *v, float id, int8_t *q) {
+#ifdef __AVX512F__
+    /* vcvtps2dq rounds half to even, as nearbyintf does in the default rounding mode */
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qi));
+    return (int16_t)_mm512_reduce_add_epi32(qi);
+#else
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) {
+        q[i] = (int8_t)nearbyintf(v[i] * id);
+        s += q[i];
+    }
+    return (int16_t)s;
+#endif
+}
+
 /* One block of `block` values (32 or 256): d = max|v| / 127, q = round-half-even(v * (1 / d)),
  * sums of q per group of 16. max|v| < 2^-100 counts as zero (d = 0, q = 0); inf or NaN gives
  * d = NaN and q = 0. */
 static float quantize_block(const float *v, int block, int8_t *q, int16_t *sums) {
-    float amax = 0.0f;
-    int finite = 1;
-    for (int i = 0; i < block; i++) {
-        const float a = fabsf(v[i]);
-        finite &= a <= 3.4028234e38f;
-        amax = a > amax ? a : amax;
-    }
+    int finite;
+    const float amax = block_amax(v, block, &finite);
     if (!finite || amax < 0x1p-100f) {
         memset(q, 0, (size_t)block);
         memset(sums, 0, sizeof(int16_t) * (size_t)(block / 16));
@@ -58,14 +94,7 @@ static float quantize_block(const float *v, int block, int8_t *q, int16_t *sums)
     }
     const float d = amax / 127.0f;
     const float id = 1.0f / d;
-    for (int g = 0; g < block / 16; g++) {
-        int32_t s = 0;
-        for (int i = 16 * g; i < 16 * g + 16; i++) {
-            q[i] = (int8_t)nearbyintf(v[i] * id);
-            s += q[i];
-        }
-        sums[g] = (int16_t)s;
-    }
+    for (int g = 0; g < block / 16; g++) sums[g] = round_group(v + 16 * g, id, q + 16 * g);
     return d;
 }
 
@@ -107,10 +136,13 @@ static inline float block_term(float d, float dm, float da, int32_t i1, int32_t 
 #ifdef __AVX2__
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DOT_U8S8(u, a) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (a))
+#define DOT_U8S8_ACC(acc, u, a) _mm256_dpbusd_epi32((acc), (u), (a))
 #elif defined(__AVXVNNI__)
 #define DOT_U8S8(u, a) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (a))
+#define DOT_U8S8_ACC(acc, u, a) _mm256_dpbusd_avx_epi32((acc), (u), (a))
 #else
 #define DOT_U8S8(u, a) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (a)), _mm256_set1_epi16(1))
+#define DOT_U8S8_ACC(acc, u, a) _mm256_add_epi32((acc), DOT_U8S8((u), (a)))
 #endif
 
 /* the four rows' sums of v[0..3], each a vector of 8 int32 */
