@@ -392,6 +392,11 @@ def resolve_model(config: EngineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from pagedserve.pipeline.router.config import wants_router
+    if wants_router(argv):  # replicas or several models: the router starts the groups
+        from pagedserve.pipeline.router.process import main as router_main
+        return router_main(argv)
     parser = build_arg_parser()
     parser.add_argument("--die-with-parent", action="store_true",
                         help="drain and exit when the process that started us dies "

@@ -1,0 +1,156 @@
+"""The router's HTTP face: OpenAI's routes (the engines' own bodies and errors pass through),
+API keys, /health, /metrics."""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
+from pagedserve.pipeline.router.models import ModelUnavailable
+from pagedserve.pipeline.router.ratelimit import retry_after_header
+from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
+from pagedserve.pipeline.router.upstream import DONE, ReplicaRefused
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_BODY_BYTES = 64 << 20
+
+
+def _error(exc: RouterError) -> JSONResponse:
+    headers = {} if exc.retry_after is None else {"Retry-After": retry_after_header(exc.retry_after)}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _sse(event: dict[str, Any] | str) -> bytes:
+    if event == DONE:
+        return b"data: [DONE]\n\n"
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def build_router_app(service: RouterService, api_keys: list[str],
+                     lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None
+                     ) -> FastAPI:
+    app = FastAPI(title="pagedserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    keys = [k.encode() for k in api_keys]
+
+    def caller(request: Request) -> str:
+        """The API key the request carries ("" without keys configured)."""
+        if not keys:
+            return ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token_bytes = token.strip().encode()
+        if scheme.lower() == "bearer" and any(secrets.compare_digest(token_bytes, k) for k in keys):
+            return token.strip()
+        service.metrics.rejected.labels("unauthorized").inc()
+        raise RouterError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                          code="invalid_api_key")
+
+    async def generate(kind: str, request: Request) -> Response:
+        try:
+            api_key = caller(request)
+            body = await _json_body(request)
+            routed = service.route(kind, body, api_key)
+            try:
+                await service.models.acquire(routed.model)
+            except ModelUnavailable as exc:
+                service.metrics.rejected.labels("model_unavailable").inc()
+                raise RouterError(503, str(exc), code="model_unavailable",
+                                  retry_after=exc.retry_after) from None
+        except RouterError as exc:
+            return _error(exc)
+        if body.get("stream"):
+            return await _streamed(service, routed)
+        try:
+            status, content, headers = await service.complete(routed)
+        except RouterError as exc:
+            return _error(exc)
+        finally:
+            await service.models.release(routed.model)
+        return Response(content, status_code=status, headers=headers,
+                        media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate("completion", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            caller(request)
+        except RouterError as exc:
+            return _error(exc)
+        created = int(time.time())
+        return JSONResponse({"object": "list", "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": "pagedserve",
+             "state": service.models.state(m).value} for m in service.models.slots.models]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while some replica of a loaded model is healthy, or models wait to be loaded."""
+        loaded = service.models.slots.loaded_models()
+        if not loaded or any(service.core.of_model(m) for m in loaded):
+            return Response(status_code=200)
+        return JSONResponse({"error": {"message": "no healthy replica", "type": "server_error"}},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(service.core), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RouterError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                          code="too_large")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RouterError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _streamed(service: RouterService, routed: Routed) -> Response:
+    """Wait for the first event before the headers, so that a refusal is still a status."""
+    events = service.stream(routed)
+    try:
+        first = await events.__anext__()
+    except ReplicaRefused as refused:
+        await service.models.release(routed.model)
+        return Response(refused.body, status_code=refused.status, headers=refused.headers,
+                        media_type="application/json")
+    except RouterError as exc:
+        await service.models.release(routed.model)
+        return _error(exc)
+    except BaseException:
+        await service.models.release(routed.model)
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        yield _sse(first)
+        try:
+            async for event in events:
+                yield _sse(event)
+        except RouterError as exc:  # after the headers: only the stream can tell
+            yield _sse(exc.body())
+            yield _sse(DONE)
+
+    async def on_close() -> None:
+        await events.aclose()
+        await service.models.release(routed.model)
+
+    return EngineStreamResponse(body(), on_close)

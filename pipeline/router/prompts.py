@@ -1,0 +1,52 @@
+"""What the router reads of a request body without a tokenizer: the model, the prompt's
+leading text (the affinity key) and an estimate of the tokens it costs."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.pipeline.router.affinity import CHARS_PER_TOKEN
+
+DEFAULT_GENERATION_ESTIMATE = 256  # tokens charged for a request that names no max_tokens
+
+
+def _content(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
+    """The part of the prompt a conversation keeps from turn to turn: for chat, the messages up
+    to and including the first user message (later turns only append); for a completion, the
+    prompt (its first one for a batch)."""
+    if kind == "chat":
+        parts = []
+        for message in body.get("messages") or ():
+            role = message.get("role", "") if isinstance(message, dict) else ""
+            parts.append(f"{role}\x00{_content(message)}\x00")
+            if role == "user":
+                break
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return prompt if isinstance(prompt, str) else ""
+
+
+def estimate_tokens(kind: str, body: dict[str, Any]) -> int:
+    """Prompt tokens (from its length) plus the most it may generate, for load and limits."""
+    if kind == "chat":
+        prompt = sum(len(_content(m)) // CHARS_PER_TOKEN + 4 for m in body.get("messages") or ())
+    else:
+        p = body.get("prompt")
+        items = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        prompt = sum(len(x) if isinstance(x, list) else len(x or "") // CHARS_PER_TOKEN
+                     for x in items if isinstance(x, (str, list)))
+    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n") or 1
+    generated = (most if isinstance(most, int) else DEFAULT_GENERATION_ESTIMATE) * \
+        (n if isinstance(n, int) else 1)
+    return max(1, prompt + generated)

@@ -1,0 +1,128 @@
+"""A stream whose replica breaks mid-way continues on another from the tokens already sent:
+the router's service against fake replicas (httpx.MockTransport), no processes."""
+import asyncio
+import json
+
+import httpx
+
+from pagedserve.pipeline.router.core import Replica, RouterCore
+from pagedserve.pipeline.router.metrics import RouterMetrics
+from pagedserve.pipeline.router.model_slots import ModelSlots
+from pagedserve.pipeline.router.models import ModelManager
+from pagedserve.pipeline.router.pool import ReplicaPool
+from pagedserve.pipeline.router.ratelimit import RateLimiter
+from pagedserve.pipeline.router.resume import ResumableStream
+from pagedserve.pipeline.router.service import RouterService
+from pagedserve.pipeline.router.upstream import DONE
+
+PROMPT_IDS = [1, 2, 3]
+WORDS = ["a", " b", " c", " d", " e", " f"]  # token i is 10 + i with text WORDS[i]
+
+
+def sse(events):
+    return b"".join(b"data: " + (e.encode() if e == "[DONE]" else json.dumps(e).encode())
+                    + b"\n\n" for e in events)
+
+
+def chat_chunks(start, stop, *, first=True, finish_at=None):
+    out = []
+    if first:
+        out.append({"id": "c1", "created": 7, "model": "m", "object": "chat.completion.chunk",
+                    "prompt_token_ids": PROMPT_IDS,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    for i in range(start, stop):
+        out.append({"id": "c1", "created": 7, "model": "m", "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"content": WORDS[i]}, "token_ids": [10 + i],
+                                 "finish_reason": "length" if i == finish_at else None}]})
+    return out
+
+
+class Broken(httpx.AsyncByteStream):
+    """A body that sends some events, then the connection drops."""
+
+    def __init__(self, data):
+        self.data = data
+
+    async def __aiter__(self):
+        yield self.data
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+
+def make_service(handler):
+    core = RouterCore()
+    for rid in ("m/0", "m/1"):
+        core.add(Replica(rid, "m", f"http://{rid.replace('/', '-')}", healthy=True,
+                         max_model_len=100, upstream_model="m"))
+    metrics = RouterMetrics()
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pool = ReplicaPool(core, metrics, http)
+    models = ModelManager({}, ModelSlots(["m"]), pool, metrics)
+    models.mark_loaded("m")
+    return RouterService(core, pool, models, RateLimiter({}), metrics, http), core, metrics
+
+
+def test_a_broken_chat_stream_resumes_on_the_other_replica_without_loss_or_repeat():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.host, request.url.path, body))
+        if request.url.path == "/v1/chat/completions":  # the first replica: 2 tokens, then dies
+            return httpx.Response(200, stream=Broken(sse(chat_chunks(0, 2))))
+        done = len(body["prompt"]) - len(PROMPT_IDS)
+        chunks = [{"id": "cmpl-x", "choices": [{"index": 0, "text": WORDS[i], "token_ids": [10 + i],
+                                                "finish_reason": "length" if i == 5 else None}]}
+                  for i in range(done, 6)]
+        chunks[0]["choices"][0]["prompt_token_ids"] = body["prompt"]
+        return httpx.Response(200, content=sse(chunks + ["[DONE]"]))
+
+    async def run():
+        service, core, metrics = make_service(handler)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        return [e async for e in service.stream(service.route("chat", body, ""))], core, metrics
+
+    events, core, metrics = asyncio.run(run())
+    assert events[-1] == DONE
+    text = "".join(c["delta"].get("content", "") for e in events[:-1] for c in e["choices"])
+    assert text == "".join(WORDS)
+    # the continuation: prompt + the 2 tokens sent, 4 more owed, the same sampling
+    (_, _, first), (_, path, cont) = seen
+    assert first["return_token_ids"] is True and path == "/v1/completions"
+    assert cont["prompt"] == PROMPT_IDS + [10, 11] and cont["max_tokens"] == 4
+    assert cont["temperature"] == 0 and cont["stream"] is True
+    # the client sees the original stream's shape and ids, no token ids it did not ask for
+    assert {e["id"] for e in events[:-1]} == {"c1"}
+    assert all("token_ids" not in c for e in events[:-1] for c in e["choices"])
+    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert metrics.retries.labels("m")._value.get() == 1
+    assert sum(not r.healthy for r in core.replicas.values()) == 1  # the broken one, until checked
+
+
+def test_a_stream_that_cannot_resume_ends_with_an_error_event():
+    def handler(request):
+        return httpx.Response(200, stream=Broken(sse(chat_chunks(0, 2))))
+
+    async def run():
+        service, _, _ = make_service(handler)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                "stream": True}
+        return [e async for e in service.stream(service.route("chat", body, ""))]
+
+    events = asyncio.run(run())
+    assert events[-1] == DONE and "n > 1" in events[-2]["error"]["message"]
+
+
+def test_continuation_body_for_a_completion_without_max_tokens():
+    state = ResumableStream("completion", {"model": "m", "prompt": "hi", "stream": True,
+                                           "seed": 5, "presence_penalty": None})
+    state.feed({"id": "x", "choices": [{"index": 0, "text": "a", "token_ids": [7],
+                                        "prompt_token_ids": [1, 2]}]})
+    assert state.why_not_resumable() is None
+    body = state.continuation_body("m", 100)
+    assert body["prompt"] == [1, 2, 7] and body["max_tokens"] == 15  # OpenAI's default is 16
+    assert body["seed"] == 5 and "presence_penalty" not in body
+    penalized = ResumableStream("completion", {"prompt": "hi", "frequency_penalty": 0.5})
+    penalized.prompt_token_ids = [1]
+    assert "frequency_penalty" in penalized.why_not_resumable()
