@@ -44,8 +44,10 @@ class EngineCore:
             eos_token_ids=config.model_info.eos_token_ids)
         self._mail: deque[tuple[transport.Dispatcher | None, Any, bytes | None]] = deque()
         self._outbox: list[Any] = []
+        from pagedserve.pipeline.structured.setup import enable_structured_outputs
+        gate = enable_structured_outputs(self.scheduler, config.model_info)
         self.service = SchedulerService(
-            self.scheduler, clock=clock, instance="in-process",
+            self.scheduler, clock=clock, instance="in-process", grammar_gate=gate,
             send_to_client=lambda _client, msg: self._post(None, msg),
             send_to_detok=lambda msg: self._post(self._to_detokenizer, msg))
         self.detokenizer = DetokenizerService(
@@ -81,7 +83,7 @@ class EngineCore:
         return self._deliver()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.service.compiling
 
     def stats(self) -> dict:
         return self.service.stats()
@@ -91,6 +93,10 @@ class EngineCore:
         """One engine step: schedule, execute, update, detokenize. Returns the messages for
         the client (DeltaBatch, RequestFailed ...) in the order the roles sent them."""
         now = time.time() if now is None else now
+        self.service.admit_compiled()
+        if self.service.compiling and not self.scheduler.has_unfinished():
+            time.sleep(0.002)  # only grammars compiling: nothing to step yet
+            return self._deliver()
         plan = self.scheduler.schedule(now)
         result = self.worker.execute(plan)
         self.service.on_step_result(plan, result)

@@ -11,7 +11,7 @@ import msgspec
 
 from pagedserve.pipeline.sampling_params import SamplingParams
 
-__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "StepPlan", "StepResult", "AddRequest",
+__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "StepPlan", "StepResult", "AddRequest",
            "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
@@ -68,6 +68,16 @@ class SharedTables(msgspec.Struct, frozen=True):
     width: int
 
 
+class GrammarMasks(msgspec.Struct, gc=False):
+    """The token masks of a step's constrained samples (pipeline/structured/matchers.py):
+    `bitmask` is int32 [len(seq_ids), num_words] in native byte order, bit t of a row set when
+    token t is allowed. A fork child sampling from its parent's logits has a row of its own."""
+
+    seq_ids: list[int]
+    num_words: int
+    bitmask: bytes
+
+
 class StepPlan(msgspec.Struct, gc=False):
     step_id: int
     new_seqs: list[NewSeq]
@@ -86,6 +96,7 @@ class StepPlan(msgspec.Struct, gc=False):
     decode_seq_ids: list[int] = []
     decode_token_ids: list[int] = []
     decode_new_blocks: list[tuple[int, int]] = []
+    grammar: GrammarMasks | None = None  # structured output's masks, when any sample has one
 
     def seq_steps(self) -> list[ScheduledSeq]:
         """Every sequence this step computes, in batch order, the decode columns spelled out as

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 
 import msgspec
 
+from pagedserve.pipeline.structured.spec import StructuredOutputs
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias value
@@ -45,6 +47,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top-N logprobs besides the chosen token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (pipeline/structured/).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -84,7 +88,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty not in (None, 1.0))
 
-    def validate(self, *, vocab_size: int | None = None, max_n: int = 128) -> "SamplingParams":
+    def validate(self, *, vocab_size: int | None = None, max_n: int = 128,
+                 check_structured: bool = True) -> "SamplingParams":
+        """`check_structured`: parse structured_outputs (milliseconds; the scheduler, which
+        compiles it off its loop anyway, skips this)."""
         def bad(field: str, msg: str) -> ValueError:
             return ValueError(f"{field} {msg}")
 
@@ -125,6 +132,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                 raise bad("logit_bias", f"value for token {t} must be a number in "
                                         f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
+        if self.structured_outputs is not None and check_structured:
+            self.structured_outputs.check()
         return self
 
 

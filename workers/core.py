@@ -18,6 +18,7 @@ from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.kv_cache import allocate_swap_pool
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.sampling.grammar_mask import apply_grammar_masks
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class WorkerCore:
                     rows[child_id] = rows[fork.parent_id]
         if self.sampler is None:
             return None
-        return self._sample(plan.step_id, logits, row_ids, [rows[s] for s in row_ids])
+        return self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
 
     def _register(self, new: NewSeq) -> None:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params
@@ -161,12 +162,15 @@ class WorkerCore:
                 sampled_ids.append(scheduled.seq_id)
         return items, sampled_ids
 
-    def _sample(self, step_id: int, logits: torch.Tensor, seq_ids: list[int],
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
                 rows: list[int]) -> StepResult:
+        step_id = plan.step_id
         if not seq_ids:
             return StepResult(step_id, [], [], None, None)
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        if plan.grammar is not None:  # structured output: forbidden tokens to -inf
+            logits = apply_grammar_masks(logits, seq_ids, plan.grammar)
         states = [self.seqs[s] for s in seq_ids]
         out = self.sampler(logits, [s.sampling for s in states], [s.token_ids for s in states],
                            [s.num_prompt_tokens for s in states])

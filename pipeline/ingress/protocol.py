@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.ingress.structured_fields import structured_spec
 from pagedserve.pipeline.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
                                                  MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
                                                  SamplingParams)
@@ -82,6 +83,15 @@ class _SamplingFields(_Body):
     priority: _doc(int, **_INT64) | None = Field(None, description="lower runs first (priority "
                                                  "scheduling)")
     cache_salt: str | None = None
+    response_format: _doc(dict[str, Any], type="object") | None = Field(
+        None, description="{type: text | json_object | json_schema}; json_schema: {name, schema}")
+    structured_outputs: _doc(dict[str, Any], type="object") | None = Field(
+        None, description="one of json (a schema), regex, choice, grammar (EBNF), "
+                          "structural_tag, json_object")
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_token_ids: bool | None = Field(
         None, description="also send the token ids: each choice's `token_ids`, and the prompt's "
         "`prompt_token_ids` (first chunk of a stream); the router resumes streams with them")
@@ -112,6 +122,9 @@ class _SamplingFields(_Body):
             given["stop"] = [self.stop]
         if self.logit_bias:
             given["logit_bias"] = token_bias(self.logit_bias)
+        spec = structured_spec(self)
+        if spec is not None:
+            given["structured_outputs"] = spec
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
 
 
@@ -203,10 +216,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: _doc(list[dict[str, Any]], type="array", maxItems=0) | None = Field(
         None, description="not supported")
     tool_choice: _doc(str | dict[str, Any], type="string", enum=["none", "auto"]) | None = None
-    response_format: _doc(dict[str, Any], anyOf=[
-        {"type": "object", "maxProperties": 0},
-        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}]
-    ) | None = Field(None, description="only {\"type\": \"text\"}")
     add_generation_prompt: bool | None = Field(True, description="not together with "
                                                                  "continue_final_message")
     continue_final_message: bool | None = False
@@ -221,8 +230,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid("tools are not supported", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("tool_choice is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise invalid("response_format other than text is not supported", "response_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("add_generation_prompt and continue_final_message cannot both be true",
                           "continue_final_message")

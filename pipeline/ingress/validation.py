@@ -99,10 +99,11 @@ def check_model_name(requested: str | None, served: list[str]) -> None:
 
 def validated_params(params_factory, *, vocab_size: int, max_n: int,
                      param_names: dict[str, str] | None = None) -> SamplingParams:
-    """Build and range-check SamplingParams; a bad field becomes a 400 naming it."""
+    """Build and range-check SamplingParams; a bad field becomes a 400 naming it. (A
+    structured-output spec was parsed when the request's fields were read: structured_fields.)"""
     try:
         params: SamplingParams = params_factory()
-        return params.validate(vocab_size=vocab_size, max_n=max_n)
+        return params.validate(vocab_size=vocab_size, max_n=max_n, check_structured=False)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

@@ -25,7 +25,7 @@ import uuid
 
 import zmq
 
-from pagedserve import transport
+from pagedserve import cluster_auth, transport
 from pagedserve.faults import FaultInjector
 from pagedserve.lifecycle import start_role
 from pagedserve.pipeline import messages
@@ -35,6 +35,7 @@ from pagedserve.pipeline.scheduler.service import SchedulerService
 
 log = logging.getLogger("pagedserve.scheduler")
 IDLE_POLL_MS = 1000
+COMPILE_POLL_MS = 2  # while a request waits for its grammar to compile
 RESET_RETRY_S = 0.5
 DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
 
@@ -59,7 +60,12 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.frontend_addr,
                                               bind=True, hwm=transport.CLIENT_HWM)
-        self.workers = transport.make_socket(self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True)
+        self.workers = transport.make_socket(
+            self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True,
+            secure=cluster_auth.for_address(cfg.ipc.plan_addr, cfg.parallel.cluster_secret_file,
+                                            server=True))
+        if cfg.ipc.plan_addr.startswith("tcp://"):  # worker ranks on other hosts
+            cluster_auth.log_refusals(self.workers, cfg.ipc.plan_addr, log)
         self.events = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.events_addr, bind=True)
         self.detok = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.detok_addr, bind=False)
         self.detok.setsockopt(zmq.SNDHWM, DETOK_HWM)  # backpressure, bounded memory
@@ -149,13 +155,16 @@ class SchedulerProcess:
         segment = self.cfg.ipc.block_tables_segment
         _unlink_stale_segment(segment)  # a killed predecessor could not unlink its own
         # A row per sequence holding blocks: running ones plus swapped ones (>= 1 host block each).
-        self.block_tables = SharedBlockTables(sconf.max_num_seqs + num_cpu_blocks, max_blocks,
-                                              name=segment)
+        # Workers on other hosts cannot map this host's shared memory: plans carry the tables.
+        self.block_tables = None if self.cfg.parallel.nnodes > 1 else SharedBlockTables(
+            sconf.max_num_seqs + num_cpu_blocks, max_blocks, name=segment)
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
+        from pagedserve.pipeline.structured.setup import enable_structured_outputs
+        gate = enable_structured_outputs(scheduler, self.cfg.model_info)
         self.service = SchedulerService(
-            scheduler, instance=self.instance,
+            scheduler, instance=self.instance, grammar_gate=gate,
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,
             send_to_client=lambda cid, msg: transport.send_to_peer(self.frontend, msg, cid),
             send_to_detok=lambda msg: transport.send(self.detok, msg))
@@ -194,7 +203,7 @@ class SchedulerProcess:
             can_step = self.workers_ready and self.inflight is None
             busy = can_step and service.scheduler.has_unfinished()
             timeout = 0 if busy else (int(RESET_RETRY_S * 1000) if not self.workers_ready
-                                      else IDLE_POLL_MS)
+                                      else COMPILE_POLL_MS if service.compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
             if self.workers in events:
                 self._drain_workers()
@@ -202,6 +211,7 @@ class SchedulerProcess:
                 self._drain_frontend()
             if self.events in events:
                 self._drain_events()
+            service.admit_compiled()  # requests whose grammar is ready join the queue
             now = time.monotonic()
             if not self.workers_ready and now - self.last_reset_sent > RESET_RETRY_S:
                 self._send_resets()

@@ -116,6 +116,8 @@ class Scheduler:
         tables = kv_cache.block_tables  # shared-memory rows the workers may read instead
         self._shared_tables = None if tables is None else SharedTables(
             tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
+        # Structured output's matchers (pipeline/structured/matchers.py); None: not enabled.
+        self.grammar_book = None
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
@@ -256,7 +258,10 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
-        return b.build(finished, self._shared_tables)
+        plan = b.build(finished, self._shared_tables)
+        if self.grammar_book is not None and self.grammar_book.grammars:
+            plan.grammar = self.grammar_book.masks(self.requests, b.step_id, RUNNING)
+        return plan
 
     def _schedule_running(self, b: PlanBuilder, new_running: list[Sequence]) -> None:
         """One token for every decoding sequence, in running order; fills `new_running` (the
@@ -661,6 +666,8 @@ class Scheduler:
         if req.queued:
             self.num_queued_requests -= 1
         del self.requests[req.request_id]
+        if self.grammar_book is not None:
+            self.grammar_book.forget(req.request_id, [s.seq_id for s in req.seqs])
         if self.config.report_finished:
             self._finished_requests.append(req)
         self.quarantine.forget(req)

@@ -64,8 +64,10 @@ class SchedulerService:
     def __init__(self, scheduler: Scheduler, *, send_to_client: Callable[[bytes, object], None],
                  send_to_detok: Callable[[object], None], clock: Callable[[], float] = time.time,
                  instance: str = "", client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 retain_finished_s: float = RETAIN_FINISHED_S):
+                 retain_finished_s: float = RETAIN_FINISHED_S, grammar_gate=None):
         self.scheduler = scheduler
+        # Structured output: requests wait in the gate until their grammar is compiled.
+        self.grammar_gate = grammar_gate
         self.send_to_client = send_to_client
         self.send_to_detok = send_to_detok
         self.clock = clock
@@ -132,6 +134,35 @@ class SchedulerService:
             self.send_to_client(client_id, messages.RequestRejected(
                 msg.request_id, 503, "the server is shutting down and accepts no new requests"))
             return
+        spec = msg.sampling.structured_outputs
+        if spec is not None:
+            if self.grammar_gate is None:
+                self.send_to_client(client_id, messages.RequestRejected(
+                    msg.request_id, 400, "structured output is not enabled in this engine"))
+                return
+            if not self.grammar_gate.ready(spec):
+                self.grammar_gate.hold(msg.request_id, spec, (client_id, msg))
+                return
+        self._admit(client_id, msg)
+
+    @property
+    def compiling(self) -> bool:
+        """Requests wait for their grammar: the loop should call admit_compiled soon."""
+        return self.grammar_gate is not None and bool(self.grammar_gate.held)
+
+    def admit_compiled(self) -> None:
+        """Admit the requests whose grammar is now compiled; reject those whose compile
+        failed or timed out (400, naming the problem)."""
+        if not self.compiling:
+            return
+        ready, failed = self.grammar_gate.release()
+        for held in ready:
+            self._admit(*held.payload)
+        for held, message in failed:
+            client_id, _msg = held.payload
+            self.send_to_client(client_id, messages.RequestRejected(held.request_id, 400, message))
+
+    def _admit(self, client_id: bytes, msg: messages.AddRequest) -> None:
         outputs = msg.output_token_ids[0] if msg.output_token_ids else []
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           msg.arrival_time, msg.priority, msg.cache_salt, list(outputs))
@@ -143,6 +174,9 @@ class SchedulerService:
         except RequestRejected as exc:
             self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 400, exc.reason))
             return
+        if msg.sampling.structured_outputs is not None:
+            self.scheduler.grammar_book.add(
+                msg.request_id, self.grammar_gate.compiler.get(msg.sampling.structured_outputs))
         self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids))
         self.send_to_detok(messages.DetokOpen(
             request_id=msg.request_id, client_id=client_id, prompt_token_ids=msg.prompt_token_ids,
@@ -154,6 +188,8 @@ class SchedulerService:
 
     def on_abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            if self.grammar_gate is not None and self.grammar_gate.drop(rid):
+                continue  # never admitted: nothing to finish
             self._forward(StepOutputs([], [], self.scheduler.abort(rid)), step_id=-1)
 
     def on_stop_matched(self, msg: messages.StopMatched) -> None:

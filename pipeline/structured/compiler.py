@@ -1,0 +1,100 @@
+"""Grammar compilation off the step loop: a thread pool, and a cache keyed by the spec's hash.
+
+The vocabulary's xgrammar `TokenizerInfo` is built once, lazily, in the pool (loading the
+tokenizer takes a second; an engine that never sees a structured request never pays it).
+`submit` returns a future per spec; equal specs share it, so 64 requests with one schema
+compile once. A compile that runs past `timeout_s` is failed by `poll`, never left pending.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pagedserve.pipeline.structured.spec import StructuredOutputs, parse_grammar, xgrammar_message
+
+log = logging.getLogger(__name__)
+
+
+class GrammarCompileError(ValueError):
+    pass
+
+
+class GrammarCompiler:
+    """Compiled grammars by spec key, compiled in background threads."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int], *,
+                 max_threads: int = 2, cache_size: int = 512, timeout_s: float = 30.0) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar")
+        self._compiler_lock = threading.Lock()
+        self._compiler = None
+        self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()
+        self.compile_seconds: list[float] = []  # one per compile, for benchmarks
+
+    def submit(self, spec: StructuredOutputs, now: float | None = None) -> Future:
+        """The (possibly finished) future of `spec`'s compiled grammar."""
+        key = spec.key()
+        entry = self._futures.get(key)
+        if entry is not None:
+            self._futures.move_to_end(key)
+            return entry[0]
+        future = self._pool.submit(self._compile, spec)
+        self._futures[key] = (future, time.monotonic() if now is None else now)
+        while len(self._futures) > self.cache_size:
+            self._futures.popitem(last=False)
+        return future
+
+    def get(self, spec: StructuredOutputs):
+        """The compiled grammar of a spec submitted before and done; None otherwise."""
+        entry = self._futures.get(spec.key())
+        if entry is None or not entry[0].done() or entry[0].exception() is not None:
+            return None
+        return entry[0].result()
+
+    def timed_out(self, spec: StructuredOutputs, now: float | None = None) -> bool:
+        entry = self._futures.get(spec.key())
+        now = time.monotonic() if now is None else now
+        return entry is not None and not entry[0].done() and now - entry[1] > self.timeout_s
+
+    def forget(self, spec: StructuredOutputs) -> None:
+        """Drop a spec's entry (a timed-out compile: a later request starts afresh)."""
+        self._futures.pop(spec.key(), None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- in the pool's threads ----------------------------------------------------------------
+    def _xgr_compiler(self):
+        with self._compiler_lock:  # concurrent first compiles build the vocabulary once
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+        return self._compiler
+
+    def _build_compiler(self):
+        import xgrammar as xgr
+        from pagedserve.pipeline.tokenizer import load_tokenizer
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.eos_token_ids)
+        log.info("grammar compiler ready for %d tokens in %.2fs", self.vocab_size,
+                 time.perf_counter() - started)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def _compile(self, spec: StructuredOutputs):
+        compiler = self._xgr_compiler()
+        started = time.perf_counter()
+        try:
+            compiled = compiler.compile_grammar(parse_grammar(spec))
+        except RuntimeError as exc:
+            raise GrammarCompileError(f"structured output {spec.kind} does not compile: "
+                                      f"{xgrammar_message(exc)}") from None
+        self.compile_seconds.append(time.perf_counter() - started)
+        return compiled

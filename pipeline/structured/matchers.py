@@ -1,0 +1,97 @@
+"""Each constrained sequence's grammar matcher, owned by the scheduler, and the step's masks.
+
+The matcher state is a function of the sequence's output tokens: before a sequence samples, its
+matcher takes whatever tokens it has not seen yet. So a recompute after preemption, a swap, a
+worker group restart (the tokens stay with the scheduler) and a scheduler restart (the client
+resubmits its tokens; a fresh matcher replays them) all continue from exactly the same state,
+and a forked sample starts its own matcher from the same history. A token the grammar rejects
+(it cannot happen for a masked sample; a resubmitted stream from another engine could) ends the
+constraint for that sequence, logged, rather than the step.
+
+`masks` packs one row per sampling sequence into a bitmask [rows, ceil(vocab / 32)] of int32
+(bit t of a row allows token t), the plan's GrammarMasks; the workers apply it in one op.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.pipeline.messages import GrammarMasks
+
+log = logging.getLogger(__name__)
+
+
+class _Tracked:
+    __slots__ = ("matcher", "num_seen", "broken")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.num_seen = 0  # output tokens accepted so far
+        self.broken = False
+
+
+class GrammarBook:
+    """Matchers by sequence id, for the requests whose compiled grammar `add` registered."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.grammars: dict[str, object] = {}  # request id -> xgrammar CompiledGrammar
+        self.matchers: dict[int, _Tracked] = {}
+
+    def add(self, request_id: str, compiled) -> None:
+        self.grammars[request_id] = compiled
+
+    def forget(self, request_id: str, seq_ids) -> None:
+        """The request finished: its grammar and its sequences' matchers go."""
+        self.grammars.pop(request_id, None)
+        for sid in seq_ids:
+            self.matchers.pop(sid, None)
+
+    def masks(self, requests: dict, step_id: int, running) -> GrammarMasks | None:
+        """The masks of the constrained sequences that sample in step `step_id`: planned in it
+        (last_step) and computing up to their last token (a lane, or a chunk that ends it)."""
+        seqs = []
+        for rid in self.grammars:
+            req = requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if seq.status is not running or seq.last_step != step_id:
+                    continue
+                n = len(seq.token_ids)
+                if seq.num_computed_tokens == n or seq.num_computed_tokens + seq.step_tokens == n:
+                    seqs.append(seq)
+        if not seqs:
+            return None
+        bitmask = torch.full((len(seqs), self.num_words), -1, dtype=torch.int32)
+        ids = []
+        for row, seq in enumerate(seqs):
+            tracked = self._synced(seq)
+            if tracked.broken:
+                continue  # unconstrained from here on: the row stays all ones
+            tracked.matcher.fill_next_token_bitmask(bitmask, row)
+            ids.append(seq.seq_id)
+        keep = [i for i, seq in enumerate(seqs) if not self.matchers[seq.seq_id].broken]
+        if len(keep) != len(seqs):
+            bitmask = bitmask[keep]
+        return GrammarMasks(ids, self.num_words, bitmask.numpy().tobytes()) if ids else None
+
+    def _synced(self, seq) -> _Tracked:
+        """The sequence's matcher, having accepted every output token it has."""
+        tracked = self.matchers.get(seq.seq_id)
+        if tracked is None:
+            import xgrammar as xgr
+            tracked = self.matchers[seq.seq_id] = _Tracked(
+                xgr.GrammarMatcher(self.grammars[seq.request.request_id]))
+        outputs = seq.token_ids[seq.num_prompt_tokens:]
+        for token in outputs[tracked.num_seen:]:
+            if tracked.broken:
+                break
+            if tracked.matcher.is_terminated() or not tracked.matcher.accept_token(token):
+                log.warning("seq %d: token %d is outside its grammar; unconstrained from here",
+                            seq.seq_id, token)
+                tracked.broken = True
+        tracked.num_seen = len(outputs)
+        return tracked

@@ -1,0 +1,106 @@
+"""What a request constrains its output to, as carried on SamplingParams and the wire.
+
+Exactly one of the fields is set. `check()` parses the spec with xgrammar (no tokenizer needed,
+a few milliseconds) so that a bad schema, regex or grammar is a 400 naming the problem before
+the request reaches the engine; the scheduler compiles it against the vocabulary later.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+import msgspec
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_SPEC_CHARS = 200_000
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """vLLM's `structured_outputs` (and OpenAI's response_format), one field set."""
+
+    json: str | None = None            # a JSON schema, as JSON text
+    json_object: bool = False          # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None    # one of these strings exactly
+    grammar: str | None = None         # EBNF / GBNF
+    structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
+
+    @classmethod
+    def from_json_schema(cls, schema: Any) -> "StructuredOutputs":
+        """A schema given as a dict (or JSON text), kept as canonical JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @property
+    def kind(self) -> str:
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured output must set exactly one of "
+                             f"{', '.join(KINDS)}; got {set_kinds or 'none'}")
+        return set_kinds[0]
+
+    def key(self) -> str:
+        """A hash of the spec: equal specs share one compiled grammar."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:32]
+
+    def choice_grammar(self) -> str:
+        """The EBNF of a choice: one rule with each option a quoted literal."""
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+
+    def check(self) -> "StructuredOutputs":
+        """Raise ValueError naming the problem if the spec cannot be turned into a grammar."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if isinstance(value, str) and len(value) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured output {kind} has {len(value)} characters, "
+                             f"at most {MAX_SPEC_CHARS} are allowed")
+        if kind == "choice" and (not self.choice or any(not isinstance(c, str) or not c
+                                                        for c in self.choice)):
+            raise ValueError("structured output choice must be a non-empty list of non-empty strings")
+        if kind == "json":
+            _check_schema(json.loads(self.json))
+        try:
+            parse_grammar(self)
+        except RuntimeError as exc:
+            raise ValueError(f"structured output {kind} does not compile: {xgrammar_message(exc)}") from None
+        return self
+
+
+def parse_grammar(spec: StructuredOutputs):
+    """The spec as an xgrammar Grammar (tokenizer-independent)."""
+    import xgrammar as xgr
+    kind = spec.kind
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(spec.choice_grammar())
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    return xgr.Grammar.from_structural_tag(spec.structural_tag)
+
+
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's error without its timestamp and C++ source location."""
+    return _XGR_PREFIX.sub("", str(exc).strip())
+
+
+def _check_schema(schema: Any) -> None:
+    import jsonschema
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise ValueError(f"invalid JSON schema at {where}: {exc.message}") from None
