@@ -151,6 +151,10 @@ class ServerArgs:
     api_key: str | None = None
     http: bool = True  # start the HTTP ingress
     max_request_bytes: int = 1 << 20
+    # Chat: how tool calls are read from the output (pipeline/ingress/tool_parsers.py) and
+    # where the model's thinking ends (pipeline/ingress/reasoning.py); None: not parsed.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(slots=True)
@@ -385,6 +389,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' (default: $PAGEDSERVE_API_KEY)")
     _bool_flag(p, "http", True, "start the OpenAI-compatible HTTP ingress")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="read tool calls from chat output in this format (tool_choice auto)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="send a model's <think>...</think> as reasoning_content")
     p.add_argument("--ipc-dir", default="", help="folder for ipc:// sockets (default: a temp dir)")
     for name in ("frontend", "output", "plan", "events", "detok", "control"):
         p.add_argument(f"--{name}-addr", default="", help=argparse.SUPPRESS)

@@ -32,6 +32,8 @@ class IngressContext:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_n: int = MAX_N
+    tool_call_parser: str | None = None   # --tool-call-parser
+    reasoning_parser: str | None = None   # --reasoning-parser
     clock: Callable[[], float] = time.monotonic
     metrics: IngressMetrics = field(init=False)
     token_text: TokenText = field(init=False)
@@ -53,7 +55,9 @@ class IngressContext:
                                                  cfg.scheduling.max_num_seqs),
                    model_root=cfg.model.model, api_key=cfg.server.api_key,
                    max_request_bytes=cfg.server.max_request_bytes,
-                   max_n=min(MAX_N, cfg.scheduling.max_num_seqs))
+                   max_n=min(MAX_N, cfg.scheduling.max_num_seqs),
+                   tool_call_parser=cfg.server.tool_call_parser,
+                   reasoning_parser=cfg.server.reasoning_parser)
 
     @property
     def model_name(self) -> str:
