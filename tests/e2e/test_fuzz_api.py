@@ -25,7 +25,7 @@ def test_fuzzed_api_no_5xx_pool_back_to_zero_next_request_served(model_dir):
     try:
         base = f"http://127.0.0.1:{group.port}"
         out = fuzz.main(["--base-url", base, "--seed", "0", "--schema-phases", "fuzzing",
-                         "--max-examples", "30", "--gen-tokens", "1", "--slow-clients", "2",
+                         "--max-examples", "15", "--gen-tokens", "1", "--slow-clients", "2",
                          "--slow-seconds", "3", "--connections", "200", "--concurrency", "32",
                          "--timeout", "60", "--settle-timeout", "30", "--no-store"])
         assert out["parts"]["schema"]["failures"] == []
