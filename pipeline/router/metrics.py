@@ -22,6 +22,8 @@ class RouterMetrics:
                                "(streams resumed where they were).", ["model"], registry=r)
         self.rejected = Counter("router_rejected", "Requests refused by the router.",
                                 ["reason"], registry=r)
+        self.replica_info = Gauge("router_replica_info", "1 per replica: its engine's URL.",
+                                  ["model", "replica", "url"], registry=r)
         self.replica_up = Gauge("router_replica_up", "1 while the replica answers its health "
                                 "check.", ["model", "replica"], registry=r)
         self.outstanding = Gauge("router_replica_outstanding_tokens", "Prompt and generation "
@@ -40,8 +42,11 @@ class RouterMetrics:
                                     buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
 
     def render(self, core: RouterCore) -> bytes:
+        for gauge in (self.replica_info, self.replica_up, self.outstanding):
+            gauge.clear()  # replicas come and go (evicted models, restarted groups)
         for replica in core.replicas.values():
             labels = (replica.model, replica.replica_id)
+            self.replica_info.labels(*labels, replica.url).set(1)
             self.replica_up.labels(*labels).set(1 if replica.healthy else 0)
             self.outstanding.labels(*labels).set(replica.outstanding_tokens)
         return generate_latest(self.registry)

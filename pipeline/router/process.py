@@ -27,6 +27,19 @@ from pagedserve.pipeline.router.service import ProxySettings, RouterService
 log = logging.getLogger("pagedserve.router")
 
 
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame) -> None:
+        # uvicorn re-raises a captured signal after its graceful shutdown (the process would
+        # end by SIGTERM); a stop that stopped every group cleanly is a normal exit.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            if not self.should_exit:
+                log.info("stop requested (%s): stopping the engine groups",
+                         signal.Signals(sig).name)
+            self.should_exit = True
+
+
 async def _start(cfg: RouterConfig, pool: ReplicaPool, models: ModelManager) -> None:
     """Remote engines joined, preloaded models loaded (all of them without
     --max-loaded-models and --preload)."""
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop",
+    server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop",
                                            access_log=False, log_level="warning",
                                            lifespan="on", timeout_graceful_shutdown=30))
     log.info("router pid starting on %s:%d", cfg.host, cfg.port)
