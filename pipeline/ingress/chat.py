@@ -12,20 +12,29 @@ from starlette.responses import Response
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
+from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.logprobs import chat_logprobs
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
+from pagedserve.pipeline.ingress.tools import ToolPlan, plan_tools
 from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
                                          resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | None = None
+                ) -> list[int]:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise invalid("this model has no chat template (its tokenizer defines none, as a base "
                       "model's does not): use /v1/completions, or start the server with "
                       "--chat-template (a file or an inline Jinja template)", "messages")
     extra = dict(req.chat_template_kwargs or {})  # its keys were checked by req.check()
+    if tools:
+        if "tools" not in str(template):
+            raise invalid("this model's chat template does not render tools; start the server "
+                          "with --chat-template naming one that does", "tools")
+        extra["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             [m.to_template() for m in req.messages], tokenize=False,
@@ -42,15 +51,21 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
                         await read_json_object(request, ctx.max_request_bytes))
     check_model_name(req.model, ctx.served_model_names)
     req.check()
+    tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.requested_max_tokens
     params = validated_params(
         lambda: req.sampling_params(max_tokens=requested, logprobs=req.num_logprobs),
         vocab_size=ctx.vocab_size, max_n=ctx.max_n,
         param_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
+    if tool_plan is not None and tool_plan.constraint is not None:
+        if params.structured_outputs is not None:
+            raise invalid(f"tool_choice {tool_plan.mode} constrains the output itself: it cannot "
+                          "be combined with response_format or structured_outputs", "tool_choice")
+        params = msgspec.structs.replace(params, structured_outputs=tool_plan.constraint)
     ticket = ctx.admit(1)  # before rendering and tokenizing
     try:
-        ids = render_chat(ctx.tokenizer, req)
+        ids = render_chat(ctx.tokenizer, req, tool_plan.tools if tool_plan else None)
         max_tokens = resolve_max_tokens(len(ids), requested, default=None,
                                         max_model_len=ctx.max_model_len, prompt_param="messages",
                                         max_tokens_param=max_tokens_param)
@@ -61,7 +76,7 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
         ticket.release()
         raise
     engine_request = EngineRequest(new_request_id("chatcmpl"), ids, params)
-    view = _ChatView(ctx, req, engine_request)
+    view = _ChatView(ctx, req, engine_request, tool_plan)
     return await respond(request, ctx, [engine_request], ticket, view, stream=req.stream,
                          arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
 
@@ -69,9 +84,12 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
 class _ChatView:
     """Shapes engine deltas into OpenAI chat completion responses and chunks."""
 
-    def __init__(self, ctx: IngressContext, req: ChatCompletionRequest, engine_request: EngineRequest):
+    def __init__(self, ctx: IngressContext, req: ChatCompletionRequest, engine_request: EngineRequest,
+                 tool_plan: ToolPlan | None = None):
         self.ctx = ctx
         self.req = req
+        self.shapers = [ChoiceShaper(tool_plan, ctx.reasoning_parser)
+                        for _ in range(engine_request.params.n)]
         self.engine_request = engine_request
         self.n = engine_request.params.n
         self.num_top = req.num_logprobs or 0
@@ -92,9 +110,10 @@ class _ChatView:
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = [{"index": s.index,
-                    "message": {"role": "assistant", "content": s.text},
+                    "message": self.shapers[s.index].message(s.text),
                     "logprobs": self._logprobs(s.token_ids, s.logprobs, s.top_logprobs),
-                    "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                    "finish_reason": self.shapers[s.index].finish_reason(s.text, s.finish_reason),
+                    "stop_reason": s.stop_reason}
                    for s in out.outputs]
         body = {"id": out.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
@@ -125,16 +144,28 @@ class _ChatView:
             if not (delta.text or delta.token_ids or delta.finish_reason):
                 continue
             num_generated += len(delta.token_ids)
-            choice = {"index": delta.index,
-                      "delta": {"content": delta.text} if delta.text else {},
-                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs,
-                                                 delta.top_logprobs),
-                      "finish_reason": delta.finish_reason}
-            if delta.finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason
-            if self.req.return_token_ids:
-                choice["token_ids"] = list(delta.token_ids)
-            yield sse(self._chunk([choice]))
+            shaper = self.shapers[delta.index]
+            if shaper.plain:
+                parts = [{"content": delta.text}] if delta.text else [{}]
+            else:  # reasoning and tool calls: as many deltas as the text makes, maybe none
+                parts = shaper.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
+            for k, part in enumerate(parts):
+                last = k == len(parts) - 1
+                if not (part or last):
+                    continue
+                choice = {"index": delta.index, "delta": part,
+                          "logprobs": self._logprobs(delta.token_ids, delta.logprobs,
+                                                     delta.top_logprobs) if last else None,
+                          "finish_reason": None}
+                if last and delta.finish_reason is not None:
+                    reason = delta.finish_reason
+                    if reason == "stop" and shaper.called:
+                        reason = "tool_calls"
+                    choice["finish_reason"], choice["stop_reason"] = reason, delta.stop_reason
+                if last and self.req.return_token_ids:
+                    choice["token_ids"] = list(delta.token_ids)
+                if part or last and (delta.finish_reason is not None or delta.token_ids):
+                    yield sse(self._chunk([choice]))
         if self.req.include_usage:
             final = self._chunk([])
             final["usage"] = usage(len(self.engine_request.prompt_token_ids), num_generated)

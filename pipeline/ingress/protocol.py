@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.structured_fields import structured_spec
+from pagedserve.pipeline.ingress.tools import template_messages_args
 from pagedserve.pipeline.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
                                                  MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
                                                  SamplingParams)
@@ -182,9 +183,11 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="assistant messages")
+    tool_call_id: str | None = Field(None, description="tool messages: the call answered")
 
     def to_template(self) -> dict[str, Any]:
         content = self.content
@@ -194,6 +197,10 @@ class ChatMessage(_Body):
                                "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg = template_messages_args({**msg, "tool_calls": self.tool_calls})
         return msg
 
 
@@ -213,9 +220,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
         None, description="needs logprobs to be true")
-    tools: _doc(list[dict[str, Any]], type="array", maxItems=0) | None = Field(
-        None, description="not supported")
-    tool_choice: _doc(str | dict[str, Any], type="string", enum=["none", "auto"]) | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="[{type: function, function: {name, description, parameters}}]")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (needs --tool-call-parser), required, or "
+                          "{type: function, function: {name}}")
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = Field(True, description="not together with "
                                                                  "continue_final_message")
     continue_final_message: bool | None = False
@@ -226,10 +236,6 @@ class ChatCompletionRequest(_SamplingFields):
         self.check_common()
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise invalid("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice is not supported", "tool_choice")
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("add_generation_prompt and continue_final_message cannot both be true",
                           "continue_final_message")

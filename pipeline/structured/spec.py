@@ -30,7 +30,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
 
     @classmethod
     def from_json_schema(cls, schema: Any) -> "StructuredOutputs":
-        """A schema given as a dict (or JSON text), kept as canonical JSON text."""
+        """A schema given as a dict (or JSON text), kept as compact JSON text. Keys keep their
+        order: it is the order in which the output writes an object's properties."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -38,7 +39,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(json=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @property
     def kind(self) -> str:

@@ -1,0 +1,200 @@
+"""Reading tool calls out of generated text, complete or still growing.
+
+A parser turns the text so far into `Parsed`: the content before any call, and the calls, each
+with its name (once complete) and the raw text of its arguments object (as far as generated).
+Arguments are the model's own text, not re-serialised, so the fragments a stream sends are
+prefixes of what the whole response carries and assemble to it exactly. A field's value is
+scanned with string and nesting awareness, so an arguments object that contains "name" keys or
+braces inside strings is read correctly, and a partial one is known to be partial.
+
+Formats: `hermes` (Qwen2.5 / Qwen3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`),
+`llama3_json` (Llama 3.x: `{"name", "parameters"}` objects, `;`-separated, maybe after
+`<|python_tag|>`), and `json_array`, the shape `tool_choice: required` constrains the output to
+(`[{"name", "arguments"}, ...]`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+_WS = " \t\r\n"
+
+
+@dataclass
+class ParsedCall:
+    name: str | None          # None until the name's string is complete
+    arguments: str            # raw text of the arguments value so far
+    complete: bool            # the arguments value (and so the call) is complete
+
+
+@dataclass
+class Parsed:
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """Index after the JSON string starting at text[i] ('"'); None if it is not closed."""
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def value_end(text: str, i: int) -> int | None:
+    """Index after the JSON value starting at text[i]; None if it may still continue."""
+    c = text[i]
+    if c == '"':
+        return _string_end(text, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(text):
+            c = text[j]
+            if c == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in ",}]" + _WS:
+        j += 1
+    return j if j < len(text) else None
+
+
+def object_fields(text: str, start: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
+    """The top-level fields of the object at text[start] ('{'): key -> (value start, value end
+    or None while partial), and the object's end (None while partial or malformed)."""
+    fields: dict[str, tuple[int, int | None]] = {}
+    i = start + 1
+    while True:
+        i = _skip_ws(text, i)
+        if i >= len(text):
+            return fields, None
+        c = text[i]
+        if c == "}":
+            return fields, i + 1
+        if c == ",":
+            i += 1
+            continue
+        if c != '"':
+            return fields, None
+        key_end = _string_end(text, i)
+        if key_end is None:
+            return fields, None
+        key = json.loads(text[i:key_end])
+        i = _skip_ws(text, key_end)
+        if i >= len(text) or text[i] != ":":
+            return fields, None
+        v = _skip_ws(text, i + 1)
+        if v >= len(text):
+            return fields, None
+        end = value_end(text, v)
+        fields[key] = (v, end)
+        if end is None:
+            return fields, None
+        i = end
+
+
+def call_at(text: str, start: int, args_keys=("arguments", "parameters")) -> tuple[ParsedCall, int | None]:
+    """The call object at text[start] ('{'), and where it ends."""
+    fields, end = object_fields(text, start)
+    name = None
+    if "name" in fields and fields["name"][1] is not None:
+        value = json.loads(text[fields["name"][0]:fields["name"][1]])
+        name = value if isinstance(value, str) else None
+    args, complete = "", False
+    for key in args_keys:
+        if key in fields:
+            a_start, a_end = fields[key]
+            args = text[a_start:a_end if a_end is not None else len(text)]
+            complete = a_end is not None
+            break
+    return ParsedCall(name, args, complete and end is not None), end
+
+
+def _objects(text: str, i: int, separators: str) -> list[ParsedCall]:
+    """Call objects one after another from text[i], between `separators`."""
+    calls = []
+    while True:
+        while i < len(text) and text[i] in _WS + separators:
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            return calls
+        call, end = call_at(text, i)
+        calls.append(call)
+        if end is None:
+            return calls
+        i = end
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that begins `marker` (held back from content)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def parse_hermes(text: str, final: bool) -> Parsed:
+    start = text.find("<tool_call>")
+    if start < 0:
+        held = 0 if final else _held_prefix(text, "<tool_call>")
+        return Parsed(text[:len(text) - held])
+    calls, i = [], start
+    while i >= 0:
+        body = i + len("<tool_call>")
+        close = text.find("</tool_call>", body)
+        region = text[body:close if close >= 0 else len(text)]
+        j = _skip_ws(region, 0)
+        if j < len(region) and region[j] == "{":
+            calls.append(call_at(region, j)[0])
+        if close < 0:
+            break
+        i = text.find("<tool_call>", close)
+    return Parsed(text[:start], calls)
+
+
+def parse_llama3_json(text: str, final: bool) -> Parsed:
+    if not final and "<|python_tag|>".startswith(text.lstrip()):
+        return Parsed("")  # the tag may be on its way
+    body = text.removeprefix("<|python_tag|>")
+    i = _skip_ws(body, 0)
+    if i >= len(body):
+        return Parsed(text if final else "")  # nothing but whitespace: a call may follow
+    if body[i] != "{":
+        return Parsed(text)
+    calls = _objects(body, i, ";")
+    if final and (not calls or any(c.name is None or not c.complete for c in calls)):
+        return Parsed(text)  # JSON-looking text that is not a call: it is the answer
+    return Parsed("", calls)
+
+
+def parse_json_array(text: str, final: bool) -> Parsed:
+    i = _skip_ws(text, 0)
+    if i < len(text) and text[i] == "[":
+        return Parsed("", _objects(text, i + 1, ","))
+    return Parsed("")
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
