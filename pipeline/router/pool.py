@@ -19,7 +19,7 @@ log = logging.getLogger("pagedserve.router")
 class ReplicaPool:
     def __init__(self, core: RouterCore, metrics: RouterMetrics, http: httpx.AsyncClient, *,
                  data_parallel_size: int = 1, ready_timeout: float = 600.0,
-                 health_interval: float = 1.0, failures_to_down: int = 2):
+                 health_interval: float = 1.0, failures_to_down: int = 3):
         if data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
         self.core = core
@@ -110,7 +110,8 @@ class ReplicaPool:
         if replica.replica_id in self._restarting:
             return
         try:
-            ok = (await self.http.get(f"{replica.url}/health", timeout=2)).status_code == 200
+            # generous: a busy engine answers late, and a stream that stalls is caught apart
+            ok = (await self.http.get(f"{replica.url}/health", timeout=5)).status_code == 200
         except httpx.HTTPError:
             ok = False
         misses = 0 if ok else self._failures.get(replica.replica_id, 0) + 1

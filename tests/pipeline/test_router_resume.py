@@ -126,3 +126,27 @@ def test_continuation_body_for_a_completion_without_max_tokens():
     penalized = ResumableStream("completion", {"prompt": "hi", "frequency_penalty": 0.5})
     penalized.prompt_token_ids = [1]
     assert "frequency_penalty" in penalized.why_not_resumable()
+
+
+def test_an_overloaded_replica_is_skipped_and_overload_everywhere_is_a_503_with_retry_after():
+    asked = []
+
+    def handler(request):
+        asked.append(request.url.host)
+        if request.url.host == "m-0" and len(asked) > 2:  # m-0 has room again later
+            return httpx.Response(200, content=json.dumps({"choices": [], "usage": {
+                "total_tokens": 3}}))
+        return httpx.Response(503, headers={"Retry-After": "7"}, content=json.dumps(
+            {"error": {"message": "The server is overloaded", "type": "server_error"}}))
+
+    async def run():
+        service, _, _ = make_service(handler)
+        routed = service.route("completion", {"model": "m", "prompt": "hi"}, "")
+        first = await service.complete(routed)
+        second = await service.complete(routed)
+        return first, second
+
+    (status, _, headers), (status2, _, _) = asyncio.run(run())
+    assert status == 503 and headers == {"retry-after": "7"}
+    assert sorted(asked[:2]) == ["m-0", "m-1"]  # both were tried before giving up
+    assert status2 == 200
