@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +74,7 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(300)
+        shutil.rmtree(self.tmp, ignore_errors=True)  # empty unless a group left something
 
     def engine_urls(self) -> list[str]:
         """The replicas' URLs (the router's router_replica_info), or this server itself."""
