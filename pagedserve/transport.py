@@ -95,10 +95,12 @@ CLIENT_HWM = 10_000
 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
                 identity: bytes | None = None, hwm: int = 0,
-                max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+                max_message_bytes: int = MAX_MESSAGE_BYTES,
+                secure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
     """`hwm`: messages queued per peer each way (0: unbounded, for the engine's own sockets,
     where a message dropped for a full queue would be a lost request); `max_message_bytes`:
-    larger incoming frames drop their sender."""
+    larger incoming frames drop their sender; `secure`: sets a tcp socket's authentication
+    before it binds or connects (pagedserve/cluster_auth.py)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
@@ -110,6 +112,8 @@ def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
     for opt in (zmq.SNDHWM, zmq.RCVHWM):
         sock.setsockopt(opt, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if secure is not None:
+        secure(sock)
     if bind:
         if addr.startswith("ipc://"):
             path = addr[len("ipc://"):]

@@ -126,6 +126,33 @@ def _usable_cores() -> int:
 
 
 @dataclass(slots=True)
+class ClusterArgs:
+    """Tensor parallelism across hosts (torchrun's names; pagedserve/cluster_net.py): node 0
+    runs the whole group, node r > 0 only its worker ranks r*L .. r*L+L-1 (L = tp / nnodes)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29500
+    cluster_secret_file: str = ""   # authenticates the tcp sockets (pagedserve/cluster_auth.py)
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got "
+                             f"node rank {self.node_rank} of {self.nnodes}")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError("--nnodes > 1 needs --master-addr (node 0's address)")
+
+    def local_ranks(self, tensor_parallel_size: int) -> range:
+        """The tensor-parallel ranks whose workers run on this node."""
+        if tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} does not split "
+                             f"evenly over --nnodes {self.nnodes}")
+        per_node = tensor_parallel_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+@dataclass(slots=True)
 class SchedulingArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -281,6 +308,7 @@ class EngineConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     cache: CacheArgs = field(default_factory=CacheArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    cluster: ClusterArgs = field(default_factory=ClusterArgs)
     scheduling: SchedulingArgs = field(default_factory=SchedulingArgs)
     server: ServerArgs = field(default_factory=ServerArgs)
     supervisor: SupervisorArgs = field(default_factory=SupervisorArgs)
@@ -324,6 +352,7 @@ class EngineConfig:
 
 
 _SECTIONS = {"model": ModelArgs, "cache": CacheArgs, "parallel": ParallelArgs,
+             "cluster": ClusterArgs,
              "scheduling": SchedulingArgs, "server": ServerArgs, "supervisor": SupervisorArgs,
              "ipc": IpcArgs, "env": Environment, "model_info": ModelInfo}
 # Flat keyword arguments name the user's settings; env and model_info are filled at start.
@@ -372,6 +401,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (default: decode-only steps of up to "
                         "--max-num-seqs sequences replay captured CUDA graphs)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's place: 0 runs the whole group, others only their ranks")
+    p.add_argument("--master-addr", default="", help="node 0's address: the only one it binds")
+    p.add_argument("--master-port", type=int, default=d.cluster.master_port,
+                   help="rendezvous port; the plans go over the next one")
+    p.add_argument("--cluster-secret-file", default="",
+                   help="a secret every node holds (mode 0600): authenticates the tcp sockets")
     p.add_argument("--max-num-seqs", type=int, default=d.scheduling.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.scheduling.max_num_batched_tokens)
     p.add_argument("--max-queued-requests", type=int, default=d.scheduling.max_queued_requests)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pagedserve import envs, transport
+from pagedserve import cluster_net, envs, transport
 from pagedserve.lifecycle import setup_logging
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, build_arg_parser,
@@ -97,18 +97,21 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         cfg = self.config
+        # Several hosts: tcp on the master address (pagedserve/cluster_net.py); node r > 0 runs
+        # only its worker ranks (headless), whose collectives use the interface towards node 0.
+        self.node_interface = cluster_net.configure(cfg.cluster, cfg.parallel, cfg.ipc)
+        self.headless = cfg.cluster.node_rank > 0
         # One host: the rendezvous is a file store in the 0700 ipc folder, a fresh one for
         # every start of the worker group, and gloo/NCCL talk over loopback only.
         self.local_rendezvous = not cfg.ipc.dist_init_addr
         self.worker_starts = 0
         if self.local_rendezvous:
             cfg.ipc.dist_init_addr = cfg.ipc.rendezvous(0)
-        roles = ["scheduler", *["worker"] * cfg.parallel.tensor_parallel_size, "detokenizer"]
-        roles += ["ingress"] if cfg.server.http else []
-        ranks = collections.Counter()
-        for role in roles:
-            self.children.append(Child(role, ranks[role], ROLE_MODULES[role]))
-            ranks[role] += 1
+        workers = [Child("worker", rank, ROLE_MODULES["worker"])
+                   for rank in cfg.cluster.local_ranks(cfg.parallel.tensor_parallel_size)]
+        roles = [] if self.headless else ["detokenizer"] + (["ingress"] if cfg.server.http else [])
+        self.children = ([] if self.headless else [Child("scheduler", 0, ROLE_MODULES["scheduler"])])
+        self.children += workers + [Child(role, 0, ROLE_MODULES[role]) for role in roles]
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.ctx = zmq.Context()
         self.control = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
@@ -130,6 +133,9 @@ class Supervisor:
         if child.role == "worker" and self.local_rendezvous:
             for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 env.setdefault(variable, "lo")
+        elif child.role == "worker" and self.node_interface:
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                env.setdefault(variable, self.node_interface)
         # Own session: a terminal's Ctrl-C reaches only the launcher, which orders the drain.
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         if child.pidfd >= 0:
@@ -164,7 +170,7 @@ class Supervisor:
         log.info("received %s: draining (in-flight requests finish, new ones are refused)",
                  signal.Signals(signum).name)
         for child in self.children:
-            if child.role in ("ingress", "scheduler") and child.alive:
+            if (child.role in ("ingress", "scheduler") or self.headless) and child.alive:
                 child.proc.send_signal(signal.SIGTERM)
 
     # -- watching ----------------------------------------------------------------------------
@@ -232,6 +238,10 @@ class Supervisor:
     def _watch(self) -> None:
         while True:
             self._poll(500)
+            if self.draining and self.headless:
+                if not any(c.alive for c in self.children):
+                    return
+                continue
             if self.draining:
                 sched = self._child("scheduler")
                 if not sched.alive:
@@ -250,6 +260,10 @@ class Supervisor:
             for child in self.children:
                 if child.proc is None:
                     continue
+                if not child.alive and self.headless and child.proc.returncode == 0:
+                    log.info("%s was stopped by node 0: stopping this node", child.name)
+                    self._on_signal(signal.SIGTERM, None)
+                    break
                 if not child.alive:
                     cause = child.last_cause or describe_exit(child.proc.returncode)
                     log.error("%s pid=%d %s", child.name, child.proc.pid, cause)
@@ -422,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         log.error("%s", exc)
         return 2
-    return Supervisor(config).run()
+    try:
+        supervisor = Supervisor(config)
+    except ValueError as exc:   # a multi-node setting that cannot work on this host
+        log.error("bad configuration: %s", exc)
+        return 2
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 
 import zmq
 
-from pagedserve import transport
+from pagedserve import cluster_auth, transport
 from pagedserve.lifecycle import start_role
 from pagedserve.pipeline import messages
 from pagedserve.workers.build import build_core
@@ -23,7 +23,10 @@ def main() -> int:
     cfg, rank, log = role.config, role.rank, role.log
     ctx = zmq.Context()
     sched = transport.make_socket(ctx, zmq.DEALER, cfg.ipc.plan_addr, bind=False,
-                                  identity=f"worker{rank}".encode())
+                                  identity=f"worker{rank}".encode(),
+                                  secure=cluster_auth.for_address(
+                                      cfg.ipc.plan_addr, cfg.cluster.cluster_secret_file,
+                                      server=False))
     control = transport.make_socket(ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
     service = None
     try:

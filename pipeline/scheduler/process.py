@@ -62,7 +62,7 @@ class SchedulerProcess:
                                               bind=True, hwm=transport.CLIENT_HWM)
         self.workers = transport.make_socket(
             self.ctx, zmq.ROUTER, cfg.ipc.plan_addr, bind=True,
-            secure=cluster_auth.for_address(cfg.ipc.plan_addr, cfg.parallel.cluster_secret_file,
+            secure=cluster_auth.for_address(cfg.ipc.plan_addr, cfg.cluster.cluster_secret_file,
                                             server=True))
         if cfg.ipc.plan_addr.startswith("tcp://"):  # worker ranks on other hosts
             cluster_auth.log_refusals(self.workers, cfg.ipc.plan_addr, log)
@@ -156,7 +156,7 @@ class SchedulerProcess:
         _unlink_stale_segment(segment)  # a killed predecessor could not unlink its own
         # A row per sequence holding blocks: running ones plus swapped ones (>= 1 host block each).
         # Workers on other hosts cannot map this host's shared memory: plans carry the tables.
-        self.block_tables = None if self.cfg.parallel.nnodes > 1 else SharedBlockTables(
+        self.block_tables = None if self.cfg.cluster.nnodes > 1 else SharedBlockTables(
             sconf.max_num_seqs + num_cpu_blocks, max_blocks, name=segment)
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,

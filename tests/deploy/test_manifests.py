@@ -142,20 +142,22 @@ def test_router_metrics_on_the_dashboard_are_the_routers():
     assert deploy_files.missing_from(deploy_files.exported_series(text), used) == set()
 
 
-def _containers(command_head: tuple[str, ...]):
+def _serve_args(component: str):
+    """(file, args) of every `pagedserve serve` container of the pods labelled `component`."""
     for path, doc in DOCS:
-        if doc["kind"] not in ("Deployment", "StatefulSet"):
+        if doc["kind"] not in ("Deployment", "StatefulSet") or \
+                doc["metadata"]["labels"].get("app.kubernetes.io/component") != component:
             continue
         for container in doc["spec"]["template"]["spec"]["containers"]:
-            if tuple(container["command"][:len(command_head)]) == command_head:
-                # $(VAR) is the kubelet's expansion of the container's env: a number here
-                yield path, [re.sub(r"\$\(\w+\)", "0", a) for a in container.get("args", ())]
+            assert container["command"] == ["pagedserve", "serve"], path
+            # $(VAR) is the kubelet's expansion of the container's env: a number here
+            yield path, [re.sub(r"\$\(\w+\)", "0", a) for a in container.get("args", ())]
 
 
 def test_engine_containers_pass_flags_the_launcher_takes():
     from pagedserve.pipeline.config import build_arg_parser
-    found = list(_containers(("pagedserve", "serve")))
-    assert found
+    found = list(_serve_args("engine"))
+    assert len(found) >= 2     # the Deployment and the multi-host StatefulSet
     for path, args in found:
         try:
             build_arg_parser().parse_args(args)
@@ -165,12 +167,13 @@ def test_engine_containers_pass_flags_the_launcher_takes():
 
 def test_router_container_passes_flags_the_router_takes():
     try:
-        from pagedserve.pipeline.router.config import build_parser
+        from pagedserve.pipeline.router.config import build_parser, wants_router
     except ImportError:
         pytest.skip("the router role (pagedserve.pipeline.router) is not in this tree")
-    found = list(_containers(("python", "-m", "pagedserve.pipeline.router")))
+    found = list(_serve_args("router"))
     assert found
     for path, args in found:
+        assert wants_router(args), f"{path}: `pagedserve serve {' '.join(args)}` starts an engine"
         try:
             build_parser().parse_args(args)
         except SystemExit:
