@@ -1,6 +1,7 @@
-"""Two models behind one router with `--max-loaded-models 1`: alternating requests load one
-and evict the other, every request succeeds, and nothing is left behind (processes, shared
-memory, folders)."""
+"""Two models behind one router with `--max-loaded-models 1`: a request for the other model
+evicts the loaded one and loads its own, every request succeeds, and nothing is left behind
+(processes, shared memory, folders). Two cold starts only: the suite's time is scarce; the
+choice of what to evict is ModelSlots' and ModelManager's unit tests'."""
 from __future__ import annotations
 
 import httpx
@@ -11,7 +12,7 @@ from tests.e2e.router_group import Router, metric
 pytestmark = pytest.mark.slow
 
 
-def test_two_models_alternate_with_one_slot_and_nothing_leaks(model_dir):
+def test_a_second_model_evicts_the_first_with_one_slot_and_nothing_leaks(model_dir):
     router = Router("--model", f"alpha={model_dir}", "--model", f"beta={model_dir}",
                     "--max-loaded-models", "1", "--preload", "alpha", "--load-timeout", "300")
     try:
@@ -19,7 +20,7 @@ def test_two_models_alternate_with_one_slot_and_nothing_leaks(model_dir):
         models = httpx.get(f"{router.base}/v1/models", timeout=10).json()["data"]
         assert {m["id"]: m["state"] for m in models} == {"alpha": "loaded", "beta": "unloaded"}
         texts = {}
-        for model in ("alpha", "beta", "alpha"):
+        for model in ("alpha", "beta", "beta"):
             r = httpx.post(f"{router.base}/v1/completions", timeout=600, json={
                 "model": model, "prompt": "The capital of France is", "max_tokens": 6,
                 "temperature": 0})
@@ -34,11 +35,11 @@ def test_two_models_alternate_with_one_slot_and_nothing_leaks(model_dir):
                              json={"model": "gamma", "prompt": "x"})
         assert missing.status_code == 404 and "gamma" in missing.json()["error"]["message"]
         samples = router.metrics()
-        assert metric(samples, "router_model_loads_total", model="alpha") == 2
+        assert metric(samples, "router_model_loads_total", model="alpha") == 1
         assert metric(samples, "router_model_loads_total", model="beta") == 1
         assert metric(samples, "router_model_evictions_total", model="alpha") == 1
-        assert metric(samples, "router_model_evictions_total", model="beta") == 1
-        assert metric(samples, "router_model_cold_start_seconds_count") == 3
+        assert metric(samples, "router_model_evictions_total", model="beta") == 0
+        assert metric(samples, "router_model_cold_start_seconds_count") == 2
         assert metric(samples, "router_model_cold_start_seconds_sum") > 0
     finally:
         code = router.close()
