@@ -14,6 +14,7 @@ from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.logprobs import chat_logprobs
+from pagedserve.pipeline.ingress.reasoning import answer_only
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
 from pagedserve.pipeline.ingress.tools import ToolPlan, plan_tools
@@ -63,6 +64,9 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
             raise invalid(f"tool_choice {tool_plan.mode} constrains the output itself: it cannot "
                           "be combined with response_format or structured_outputs", "tool_choice")
         params = msgspec.structs.replace(params, structured_outputs=tool_plan.constraint)
+    if ctx.reasoning_parser and params.structured_outputs is not None:
+        params = msgspec.structs.replace(params, structured_outputs=answer_only(
+            params.structured_outputs, ctx.reasoning_parser, ctx.tokenizer))
     ticket = ctx.admit(1)  # before rendering and tokenizing
     try:
         ids = render_chat(ctx.tokenizer, req, tool_plan.tools if tool_plan else None)

@@ -52,3 +52,13 @@ class ReasoningStream:
         new = tuple(part[sent:] for part, sent in zip(parts, self.sent))
         self.sent = [len(p) for p in parts]
         return new
+
+
+def answer_only(spec, parser: str, tokenizer):
+    """`spec` (a StructuredOutputs) applied to the answer only: after the thinking ends."""
+    import msgspec
+
+    def ids(tag: str) -> list[int]:
+        return list(tokenizer.encode(tag, add_special_tokens=False))
+    start = [] if parser == "deepseek_r1" else ids(OPEN)
+    return msgspec.structs.replace(spec, think_start=start, think_end=ids(CLOSE))

@@ -175,8 +175,8 @@ class SchedulerService:
             self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 400, exc.reason))
             return
         if msg.sampling.structured_outputs is not None:
-            self.scheduler.grammar_book.add(
-                msg.request_id, self.grammar_gate.compiler.get(msg.sampling.structured_outputs))
+            spec = msg.sampling.structured_outputs
+            self.scheduler.grammar_book.add(msg.request_id, self.grammar_gate.compiler.get(spec), spec)
         self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids))
         self.send_to_detok(messages.DetokOpen(
             request_id=msg.request_id, client_id=client_id, prompt_token_ids=msg.prompt_token_ids,
@@ -341,4 +341,8 @@ class SchedulerService:
             "restarts": dict(self.restarts), "foreign_aborts": self.foreign_aborts,
             "unknown_messages": [{"role": role, "type": tag, "count": n}
                                  for (role, tag), n in sorted(self.unknown_messages.items())],
+            # seconds each grammar took to compile (structured output), in compile order
+            "grammar_compile_s": (list(self.grammar_gate.compiler.compile_seconds[-1000:])
+                                  if self.grammar_gate is not None else []),
+            "num_requests_compiling": len(self.grammar_gate.held) if self.grammar_gate else 0,
         }

@@ -23,12 +23,31 @@ log = logging.getLogger(__name__)
 
 
 class _Tracked:
-    __slots__ = ("matcher", "num_seen", "broken")
+    __slots__ = ("matcher", "num_seen", "broken", "start")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, start: int) -> None:
         self.matcher = matcher
-        self.num_seen = 0  # output tokens accepted so far
+        self.start = start  # the first output token it constrains (after a model's thinking)
+        self.num_seen = start  # output tokens accepted so far (counted from the first)
         self.broken = False
+
+
+def answer_start(outputs: list[int], think_start: list[int], think_end: list[int]) -> int | None:
+    """Where the answer begins in `outputs`: 0 without thinking, after `think_end` once it was
+    generated, None while the model may still be thinking."""
+    if not think_end:
+        return 0
+    n = len(think_start)
+    if n:
+        if outputs[:n] != think_start[:len(outputs)]:
+            return 0  # it did not open a thinking block: all of it is the answer
+        if len(outputs) < n:
+            return None
+    m = len(think_end)
+    for i in range(n, len(outputs) - m + 1):
+        if outputs[i:i + m] == think_end:
+            return i + m
+    return None
 
 
 class GrammarBook:
@@ -38,14 +57,18 @@ class GrammarBook:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self.grammars: dict[str, object] = {}  # request id -> xgrammar CompiledGrammar
+        self.thinking: dict[str, tuple[list[int], list[int]]] = {}  # (think_start, think_end)
         self.matchers: dict[int, _Tracked] = {}
 
-    def add(self, request_id: str, compiled) -> None:
+    def add(self, request_id: str, compiled, spec=None) -> None:
         self.grammars[request_id] = compiled
+        if spec is not None and spec.think_end:
+            self.thinking[request_id] = (list(spec.think_start), list(spec.think_end))
 
     def forget(self, request_id: str, seq_ids) -> None:
         """The request finished: its grammar and its sequences' matchers go."""
         self.grammars.pop(request_id, None)
+        self.thinking.pop(request_id, None)
         for sid in seq_ids:
             self.matchers.pop(sid, None)
 
@@ -65,27 +88,29 @@ class GrammarBook:
                     seqs.append(seq)
         if not seqs:
             return None
-        bitmask = torch.full((len(seqs), self.num_words), -1, dtype=torch.int32)
+        tracked = [self._synced(seq) for seq in seqs]
+        keep = [i for i, t in enumerate(tracked) if t is not None and not t.broken]
+        if not keep:
+            return None
+        bitmask = torch.full((len(keep), self.num_words), -1, dtype=torch.int32)
         ids = []
-        for row, seq in enumerate(seqs):
-            tracked = self._synced(seq)
-            if tracked.broken:
-                continue  # unconstrained from here on: the row stays all ones
-            tracked.matcher.fill_next_token_bitmask(bitmask, row)
-            ids.append(seq.seq_id)
-        keep = [i for i, seq in enumerate(seqs) if not self.matchers[seq.seq_id].broken]
-        if len(keep) != len(seqs):
-            bitmask = bitmask[keep]
-        return GrammarMasks(ids, self.num_words, bitmask.numpy().tobytes()) if ids else None
+        for row, i in enumerate(keep):
+            tracked[i].matcher.fill_next_token_bitmask(bitmask, row)
+            ids.append(seqs[i].seq_id)
+        return GrammarMasks(ids, self.num_words, bitmask.numpy().tobytes())
 
-    def _synced(self, seq) -> _Tracked:
-        """The sequence's matcher, having accepted every output token it has."""
+    def _synced(self, seq) -> _Tracked | None:
+        """The sequence's matcher, having accepted every output token of its answer; None
+        while it is still thinking (nothing is constrained yet)."""
         tracked = self.matchers.get(seq.seq_id)
-        if tracked is None:
-            import xgrammar as xgr
-            tracked = self.matchers[seq.seq_id] = _Tracked(
-                xgr.GrammarMatcher(self.grammars[seq.request.request_id]))
         outputs = seq.token_ids[seq.num_prompt_tokens:]
+        if tracked is None:
+            rid = seq.request.request_id
+            start = answer_start(outputs, *self.thinking.get(rid, ([], [])))
+            if start is None:
+                return None
+            import xgrammar as xgr
+            tracked = self.matchers[seq.seq_id] = _Tracked(xgr.GrammarMatcher(self.grammars[rid]), start)
         for token in outputs[tracked.num_seen:]:
             if tracked.broken:
                 break

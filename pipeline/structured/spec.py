@@ -27,6 +27,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
     choice: list[str] | None = None    # one of these strings exactly
     grammar: str | None = None         # EBNF / GBNF
     structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
+    # A thinking model (--reasoning-parser): the constraint applies to the answer only, from
+    # the token after `think_end` on; `think_start` non-empty: only when the output opens with
+    # it (else from the first token). Token ids of the tags.
+    think_start: list[int] = []
+    think_end: list[int] = []
 
     @classmethod
     def from_json_schema(cls, schema: Any) -> "StructuredOutputs":

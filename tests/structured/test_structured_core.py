@@ -168,3 +168,27 @@ def test_a_matcher_rebuilt_from_token_history_masks_like_the_live_one(core):
         allowed = unpack_bitmask(torch.frombuffer(bytearray(masks.bitmask), dtype=torch.int32)
                                  .view(1, -1), 259)[0]
         assert allowed[answer[k]]  # the valid answer's next token is always allowed
+
+
+def test_a_thinking_model_is_constrained_after_its_thinking_only(core):
+    """--reasoning-parser: no mask while the model thinks; after </think> the schema holds."""
+    tokenizer = core.detokenizer.tokenizer
+    start, end = tokenizer.encode("<think>"), tokenizer.encode("</think>")
+    spec = S(regex="[0-9]+", think_start=start, think_end=end)
+    gate = core.service.grammar_gate
+    gate.compiler.submit(spec).result()
+    book = GrammarBook(259)
+    book.add("r", gate.compiler.get(spec), spec)
+    req = types.SimpleNamespace(request_id="r", seqs=[])
+
+    def mask_after(text):
+        req.seqs = [_fake_seq(len(book.matchers) + 100, req, [9], tokenizer.encode(text), 0)]
+        return book.masks({"r": req}, 0, SequenceStatus.RUNNING)
+
+    assert mask_after("<think>any words") is None
+    assert mask_after("<thi") is None
+    masks = mask_after("<think>hm</think>12")
+    allowed = unpack_bitmask(torch.frombuffer(bytearray(masks.bitmask), dtype=torch.int32)
+                             .view(1, -1), 259)[0]
+    assert allowed[ord("3")] and not allowed[ord("a")]
+    assert mask_after("7") is not None  # no thinking block: constrained from the first token
