@@ -33,60 +33,70 @@ def _sse(event: dict[str, Any] | str) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
+class ApiKeys:
+    """The keys `/v1/*` accepts (`Authorization: Bearer <key>`); none configured: open."""
+
+    def __init__(self, keys: list[str], service: RouterService):
+        self.keys = [k.encode() for k in keys]
+        self.service = service
+
+    def caller(self, request: Request) -> str:
+        """The request's key ("" without keys configured); RouterError 401 otherwise."""
+        if not self.keys:
+            return ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and any(secrets.compare_digest(token.encode(), k)
+                                              for k in self.keys):
+            return token
+        self.service.metrics.rejected.labels("unauthorized").inc()
+        raise RouterError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                          code="invalid_api_key")
+
+
+async def _generate(service: RouterService, keys: ApiKeys, kind: str,
+                    request: Request) -> Response:
+    try:
+        api_key = keys.caller(request)
+        body = await _json_body(request)
+        routed = service.route(kind, body, api_key)
+        try:
+            await service.models.acquire(routed.model)
+        except ModelUnavailable as exc:
+            service.metrics.rejected.labels("model_unavailable").inc()
+            raise RouterError(503, str(exc), code="model_unavailable",
+                              retry_after=exc.retry_after) from None
+    except RouterError as exc:
+        return _error(exc)
+    if body.get("stream"):
+        return await _streamed(service, routed)
+    try:
+        status, content, headers = await service.complete(routed)
+    except RouterError as exc:
+        return _error(exc)
+    finally:
+        await service.models.release(routed.model)
+    return Response(content, status_code=status, headers=headers, media_type="application/json")
+
+
 def build_router_app(service: RouterService, api_keys: list[str],
                      lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None
                      ) -> FastAPI:
     app = FastAPI(title="pagedserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    keys = [k.encode() for k in api_keys]
-
-    def caller(request: Request) -> str:
-        """The API key the request carries ("" without keys configured)."""
-        if not keys:
-            return ""
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token_bytes = token.strip().encode()
-        if scheme.lower() == "bearer" and any(secrets.compare_digest(token_bytes, k) for k in keys):
-            return token.strip()
-        service.metrics.rejected.labels("unauthorized").inc()
-        raise RouterError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                          code="invalid_api_key")
-
-    async def generate(kind: str, request: Request) -> Response:
-        try:
-            api_key = caller(request)
-            body = await _json_body(request)
-            routed = service.route(kind, body, api_key)
-            try:
-                await service.models.acquire(routed.model)
-            except ModelUnavailable as exc:
-                service.metrics.rejected.labels("model_unavailable").inc()
-                raise RouterError(503, str(exc), code="model_unavailable",
-                                  retry_after=exc.retry_after) from None
-        except RouterError as exc:
-            return _error(exc)
-        if body.get("stream"):
-            return await _streamed(service, routed)
-        try:
-            status, content, headers = await service.complete(routed)
-        except RouterError as exc:
-            return _error(exc)
-        finally:
-            await service.models.release(routed.model)
-        return Response(content, status_code=status, headers=headers,
-                        media_type="application/json")
+    keys = ApiKeys(api_keys, service)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await generate("chat", request)
+        return await _generate(service, keys, "chat", request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate("completion", request)
+        return await _generate(service, keys, "completion", request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            caller(request)
+            keys.caller(request)
         except RouterError as exc:
             return _error(exc)
         created = int(time.time())

@@ -1,0 +1,49 @@
+"""The router's HTTP face over fake replicas: keys (401), unknown models (404), a key's rate
+limit (429 + Retry-After), a streamed request passed through with the token ids stripped."""
+import asyncio
+import json
+
+import httpx
+
+from pagedserve.pipeline.router.app import build_router_app
+from pagedserve.pipeline.router.ratelimit import KeyLimit, RateLimiter
+from tests.pipeline.test_router_resume import chat_chunks, make_service, sse
+
+
+def test_keys_models_limits_and_a_stream_through_the_app():
+    def handler(request):
+        return httpx.Response(200, content=sse(chat_chunks(0, 6, finish_at=5) + ["[DONE]"]))
+
+    async def run():
+        service, _, metrics = make_service(handler)
+        service.limiter = RateLimiter({"slow": KeyLimit(requests_per_minute=60)}, burst_seconds=1)
+        app = build_router_app(service, ["fast", "slow"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://router") as client:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+            def post(key, body):
+                return client.post("/v1/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"} if key else {})
+            assert (await post(None, chat)).status_code == 401
+            assert (await post("nope", chat)).status_code == 401
+            missing = await post("fast", {**chat, "model": "other"})
+            assert missing.status_code == 404 and "other" in missing.json()["error"]["message"]
+            streamed = await post("fast", chat)
+            assert (await post("slow", chat)).status_code == 200
+            limited = await post("slow", chat)
+            assert limited.status_code == 429 and limited.headers["Retry-After"] == "1"
+            models = (await client.get("/v1/models", headers={"Authorization": "Bearer fast"}))
+            return streamed, models.json(), metrics
+
+    streamed, models, metrics = asyncio.run(run())
+    assert streamed.status_code == 200
+    events = [json.loads(block[6:]) for block in streamed.text.split("\n\n")
+              if block.startswith("data: {")]
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == \
+        "a b c d e f"
+    assert all("token_ids" not in c and "prompt_token_ids" not in e
+               for e in events for c in e["choices"])
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    assert [m["id"] for m in models["data"]] == ["m"]
+    assert metrics.rejected.labels("unauthorized")._value.get() == 2
