@@ -155,3 +155,18 @@ def test_command_line():
         config_from_argv(["--model", "/m", "--model", "/m"])
     with pytest.raises(ValueError, match="--preload"):
         config_from_argv(["--model", "a=/m", "--preload", "b"])
+
+
+def test_models_file(tmp_path):
+    path = tmp_path / "models.json"
+    path.write_text('[{"name": "small", "model": "/m/SmolLM2", "args": ["--max-num-seqs", "8"]},'
+                    ' {"model": "/m/gemma-3-270m"}]')
+    cfg, _ = config_from_argv(["--models-file", str(path), "--max-loaded-models", "1",
+                               "--dtype", "float32"])
+    assert list(cfg.models) == ["small", "gemma-3-270m"]
+    assert cfg.models["small"].engine_args == ("--dtype", "float32", "--max-num-seqs", "8")
+    path.write_text('{"model": "x"}')
+    with pytest.raises(ValueError, match="JSON list"):
+        config_from_argv(["--models-file", str(path)])
+    with pytest.raises(ValueError, match="not both"):
+        config_from_argv(["--model", "/m", "--engine-url", "http://e:8000"])
