@@ -4,8 +4,10 @@ tells `RouterCore` which replicas exist and which are healthy."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -19,7 +21,9 @@ log = logging.getLogger("pagedserve.router")
 class ReplicaPool:
     def __init__(self, core: RouterCore, metrics: RouterMetrics, http: httpx.AsyncClient, *,
                  data_parallel_size: int = 1, ready_timeout: float = 600.0,
-                 health_interval: float = 1.0, failures_to_down: int = 3):
+                 health_interval: float = 1.0, failures_to_down: int = 3,
+                 max_restarts: int = 3, restart_window: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
         if data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
         self.core = core
@@ -29,6 +33,11 @@ class ReplicaPool:
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
         self.failures_to_down = failures_to_down
+        self.max_restarts = max_restarts      # restarts of one group within restart_window,
+        self.restart_window = restart_window  # beyond which it stays down (a crash loop)
+        self.clock = clock
+        self._restart_times: dict[str, collections.deque] = collections.defaultdict(
+            collections.deque)
         self.groups: dict[str, LocalGroup] = {}
         self._failures: dict[str, int] = {}
         self._restarting: set[str] = set()
@@ -70,6 +79,22 @@ class ReplicaPool:
             self.core.remove(name)
             self._restarting.discard(name)
 
+    def may_restart(self, name: str) -> bool:
+        """Counts a restart of group `name`; False (and it stays down) past max_restarts
+        within restart_window seconds."""
+        now, times = self.clock(), self._restart_times[name]
+        while times and times[0] < now - self.restart_window:
+            times.popleft()
+        if len(times) >= self.max_restarts:
+            if len(times) == self.max_restarts:
+                log.error("engine group %s died %d times within %.0f s: not restarted again "
+                          "(a crash loop; its log is above)", name, len(times),
+                          self.restart_window)
+                times.append(now)  # logged once per window
+            return False
+        times.append(now)
+        return True
+
     async def _restart(self, group: LocalGroup) -> None:
         log.warning("engine group %s pid=%s died (code %s); restarting it", group.name,
                     group.pid, group.proc.returncode if group.proc else None)
@@ -103,7 +128,7 @@ class ReplicaPool:
         group = self.groups.get(replica.replica_id)
         if group is not None and not group.alive:
             self.core.set_healthy(replica.replica_id, False)
-            if replica.replica_id not in self._restarting:
+            if replica.replica_id not in self._restarting and self.may_restart(group.name):
                 self._restarting.add(replica.replica_id)
                 self._spawn(self._restart(group))
             return

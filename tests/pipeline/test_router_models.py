@@ -92,3 +92,14 @@ def test_a_remote_engine_joins_by_its_url():
     core, replica = asyncio.run(run())
     assert (replica.model, replica.max_model_len, replica.healthy) == ("remote-model", 4096, True)
     assert core.pick("remote-model", b"k", 1).replica_id == "http://engine-a:8000"
+
+
+def test_a_group_in_a_crash_loop_is_not_restarted_forever():
+    now = [0.0]
+    pool = ReplicaPool(RouterCore(), RouterMetrics(), None, max_restarts=2, restart_window=60,
+                       clock=lambda: now[0])
+    assert pool.may_restart("m/0") and pool.may_restart("m/0")
+    assert not pool.may_restart("m/0") and not pool.may_restart("m/0")
+    assert pool.may_restart("m/1")  # counted per group
+    now[0] = 61.0
+    assert pool.may_restart("m/0")  # the window moved on
