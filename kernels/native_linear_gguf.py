@@ -9,6 +9,8 @@ quantized arithmetic" whole-model tests compare greedy tokens with.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import native
@@ -70,44 +72,138 @@ def _library():
 
 
 def _check_rows(w: QuantizedWeight) -> None:
-    require(w.data.device.type == "cpu" and w.data.stride(1) == 1,
-            f"native_linear_gguf: the weight's rows must be contiguous CPU bytes, got "
-            f"{w.data.device} strides {w.data.stride()}")
+    if not (w.data.device.type == "cpu" and w.data.stride(1) == 1):
+        raise ValueError(f"native_linear_gguf: the weight's rows must be contiguous CPU bytes, "
+                         f"got {w.data.device} strides {w.data.stride()}")
 
 
-def linear(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
+# The types gguf_pack repacks into panels of 16 rows (kernels/native/gguf_packed.h)
+PACKED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G})
+_PACK_ROWS = 16
+
+
+def packing_supported() -> bool:
+    """Whether this build runs weights repacked into panels (its AVX-512 VNNI body)."""
+    lib = native.library(FEATURE)
+    return lib is not None and lib.gguf_packed_supported() == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A QuantizedWeight of a PACKED_TYPES type repacked into panels of 16 rows: the same bytes,
+    in the order the panel kernel reads them (`pack`, `unpack`)."""
+    qtype: QType
+    data: torch.Tensor                  # uint8 [ceil(n / 16) * 16 * row_bytes]
+    n: int
+    k: int
+    perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pack(w: QuantizedWeight) -> PackedWeight:
+    """`w` repacked into panels (packing_supported() and w.qtype in PACKED_TYPES)."""
+    _check_rows(w)
+    n, k = w.shape
+    row_bytes = w.data.shape[1]
+    out = torch.empty(-(-n // _PACK_ROWS) * _PACK_ROWS * row_bytes, dtype=torch.uint8)
+    status = _library().gguf_pack(int(w.qtype), w.data.data_ptr(), n, k, w.data.stride(0),
+                                  out.data_ptr())
+    if status != 0:
+        raise ValueError(f"native_linear_gguf.pack: {_STATUS.get(status, status)} for "
+                         f"{w.qtype.name} [{n}, {k}]")
+    return PackedWeight(w.qtype, out, n, k, w.perm)
+
+
+def unpack(p: PackedWeight, rows: torch.Tensor | None = None) -> QuantizedWeight:
+    """The raw weight `pack` was given, byte for byte; only `rows` (int64 indices) of it when
+    given."""
+    idx = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
+    count = p.n if idx is None else idx.numel()
+    raw = torch.empty(count, p.data.numel() // (-(-p.n // _PACK_ROWS) * _PACK_ROWS),
+                      dtype=torch.uint8)
+    if count:
+        status = _library().gguf_unpack_packed(int(p.qtype), p.data.data_ptr(), p.n, p.k,
+                                               None if idx is None else idx.data_ptr(), count,
+                                               raw.data_ptr(), raw.stride(0))
+        if status != 0:
+            raise ValueError(f"native_linear_gguf.unpack: {_STATUS.get(status, status)}"
+                             + ("" if idx is None else f" (rows {int(idx.min())}.."
+                                f"{int(idx.max())} of {p.n})"))
+    return QuantizedWeight(p.qtype, raw, p.k, p.perm)
+
+
+class BoundLinear:
+    """`linear` for one weight, its arguments to the kernel worked out once (a model's layers
+    hold one per weight: a decode step calls ~150 of them, and per-call argument work was most of
+    a small call's cost). The weight must not be resized or moved while bound."""
+
+    __slots__ = ("weight", "n", "k", "_args")
+
+    def __init__(self, w: QuantizedWeight | PackedWeight) -> None:
+        self.weight = w                      # keeps the bytes alive
+        self.n, self.k = w.shape
+        if isinstance(w, PackedWeight):
+            self._args = (int(w.qtype), w.data.data_ptr(), self.n, self.k)
+        else:
+            _check_rows(w)
+            self._args = (int(w.qtype), w.data.data_ptr(), self.n, self.k, w.data.stride(0))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 threads: int | None = None) -> torch.Tensor:
+        """x [m, k] fp32 @ W^T -> [m, n] fp32 (into `out` when given: see `linear`)."""
+        # plain ifs: the messages are formatted only when a check fails
+        if not (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"):
+            raise ValueError(f"native_linear_gguf.linear: expected a 2-D fp32 CPU input, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        m, n = x.shape[0], self.n
+        if x.shape[1] != self.k:
+            raise ValueError(f"native_linear_gguf.linear: x has {x.shape[1]} features, the "
+                             f"weight {self.k}")
+        if self.weight.perm is not None:
+            x = x[:, self.weight.perm]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif not (out.shape == (m, n) and out.dtype == torch.float32 and out.stride(1) == 1):
+            raise ValueError(f"native_linear_gguf.linear: out must be fp32 [{m}, {n}] with unit "
+                             f"column stride, got {out.dtype} {tuple(out.shape)} strides "
+                             f"{out.stride()}")
+        if m == 0:
+            return out
+        lib = _library()
+        kernel = lib.gguf_linear if len(self._args) == 5 else lib.gguf_packed_linear
+        status = kernel(*self._args, x.data_ptr(), m, x.stride(0), out.data_ptr(), out.stride(0),
+                        threads or torch.get_num_threads())
+        if status != 0:
+            what = _STATUS.get(status, status)
+            if status == -3 and len(self._args) == 4:
+                what = "a packed weight, which this build does not run (packing_supported())"
+            raise RuntimeError(f"native_linear_gguf.linear: {what} for "
+                               f"{self.weight.qtype.name} m={m} k={self.k} n={n}")
+        return out
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight | PackedWeight, out: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
     """x [m, k] fp32 @ W^T -> [m, n] fp32; `out` (a [m, n] fp32 view with unit column stride,
-    e.g. columns of a wider output) receives it when given."""
-    if not (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"):
-        raise ValueError(f"native_linear_gguf.linear: expected a 2-D fp32 CPU input, got "
-                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    n, k = w.shape
-    m = x.shape[0]
-    if x.shape[1] != k:
-        raise ValueError(f"native_linear_gguf.linear: x has {x.shape[1]} features, the weight {k}")
-    if w.perm is not None:
-        x = x[:, w.perm]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    _check_rows(w)
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    require(out.shape == (m, n) and out.dtype == torch.float32 and out.stride(1) == 1,
-            f"native_linear_gguf.linear: out must be fp32 [{m}, {n}] with unit column stride")
-    if m == 0:
-        return out
-    status = _library().gguf_linear(int(w.qtype), w.data.data_ptr(), n, k, w.data.stride(0),
-                                    x.data_ptr(), m, x.stride(0), out.data_ptr(), out.stride(0),
-                                    threads or torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"native_linear_gguf.linear: {_STATUS.get(status, status)} for "
-                           f"{w.qtype.name} m={m} k={k} n={n}")
-    return out
+    e.g. columns of a wider output) receives it when given. The same bits for a weight and
+    its `pack`ed form."""
+    return BoundLinear(w)(x, out, threads)
 
 
-def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(w: QuantizedWeight | PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` (int64, any shape) of W as fp32 [*rows.shape, k] (embedding lookups)."""
+    if isinstance(w, PackedWeight):
+        picked = unpack(w, rows)
+        return dequantize_rows(picked, torch.arange(picked.shape[0])).view(*rows.shape, w.k)
     _check_rows(w)
     n, k = w.shape
     idx = rows.reshape(-1).to(torch.int64).contiguous()

@@ -56,7 +56,11 @@ LINEAR_GGUF = Feature(
     "linear_gguf", ("linear_gguf.c",),
     {"gguf_linear": (I32, (I32, P, I64, I64, I64, P, I64, I64, P, I64, I32)),
      "gguf_quantize_rows": (I32, (P, I64, I64, I64, I32, P, P, P)),
-     "gguf_dequantize_rows": (I32, (I32, P, I64, I64, I64, P, I64, P))})
+     "gguf_dequantize_rows": (I32, (I32, P, I64, I64, I64, P, I64, P)),
+     "gguf_packed_supported": (I32, ()),
+     "gguf_pack": (I32, (I32, P, I64, I64, I64, P)),
+     "gguf_unpack_packed": (I32, (I32, P, I64, I64, P, I64, P, I64)),
+     "gguf_packed_linear": (I32, (I32, P, I64, I64, P, I64, I64, P, I64, I32))})
 
 ELEMENTWISE = Feature(
     "elementwise", ("elementwise.c",),

@@ -178,3 +178,34 @@ def test_gguf_py_quantized_weights_multiply_like_their_dequantization():
         exact = x.double() @ w.dequantize(torch.float64).t()
         rel = (gl.linear(x, w).double() - exact).norm() / exact.norm()
         assert rel < 0.01, (qtype.name, float(rel))
+
+
+PACKED = sorted(gl.PACKED_TYPES)
+needs_packing = pytest.mark.skipif(not gl.packing_supported(),
+                                   reason="this build has no packed-panel body (AVX-512 VNNI)")
+
+
+@needs_packing
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
+def test_packed_weights_unpack_to_their_bytes_and_multiply_to_the_same_bits(qtype, rng):
+    w = random_weight(qtype, 37, 544, rng)          # a short last panel, a 16-quad tail
+    packed = gl.pack(w)
+    assert packed.nbytes == 48 * w.data.shape[1]    # the raw bytes, rearranged (3 panels)
+    assert torch.equal(gl.unpack(packed).data, w.data)
+    ids = torch.tensor([[0, 36, 17], [16, 15, 3]])
+    assert torch.equal(gl.unpack(packed, ids).data, w.data[ids.reshape(-1)])
+    assert torch.equal(gl.dequantize_rows(packed, ids).nan_to_num(7.0),
+                       gl.dequantize_rows(w, ids).nan_to_num(7.0))
+    for m in (1, 2, 6, 7, 13):
+        x = activations(m, 544, rng)
+        raw = gl.linear(x, w, threads=1).nan_to_num(7.0)
+        for threads in (1, 2):
+            assert torch.equal(gl.linear(x, packed, threads=threads).nan_to_num(7.0), raw), m
+
+
+@needs_packing
+def test_a_packed_weight_on_a_build_without_the_body_is_refused_by_name(rng):
+    packed = gl.pack(random_weight(QType.Q4_0, 16, 64, rng))
+    with native.use_variant("portable"):
+        with pytest.raises(RuntimeError, match="packed weight"):
+            gl.linear(activations(1, 64, rng), packed)

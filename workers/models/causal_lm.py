@@ -141,6 +141,12 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(expected)} tensors, "
                              f"e.g. {sorted(expected)[:4]}")
         finish_loading(self)
+        if self.embed_quantized is not None and self.config.tie_word_embeddings \
+                and self.lm_head_linear.quantized is not None:
+            # the LM head may hold the table packed (workers/models/quantized.py): look rows up
+            # in that one copy
+            (_, head), = self.lm_head_linear.quantized.stored
+            self.embed_quantized = head
         if self.embed_quantized is not None:   # its plain table was never filled: meta now
             self.embed_tokens = nn.Parameter(torch.empty(self.embed_tokens.shape,
                                                          dtype=self.dtype, device="meta"),

@@ -1,0 +1,246 @@
+/* The 32-element types (Q4_0, Q4_1, Q5_0, Q8_0, I4G) repacked once, at load, into panels of 16
+ * rows: a broadcast quad of x meets a panel's 16 columns in one zmm, for every row count, with
+ * nothing unpacked per call and no horizontal sums (decode reads each weight byte once, as the
+ * panel's integers are laid out). The bytes per block are the raw format's, rearranged:
+ *
+ *   block b of panel p at packed + (p * blocks + b) * 16 * bytes_per_block:
+ *     u:      4-bit types: 4 x 64 bytes, chunk j: quad 2j in the low nibbles, 2j + 1 in the high,
+ *             byte 4c + e = element 4q + e of column c; Q5_0 adds 8 x 8 bytes, bit 4c + e of
+ *             quad q's word the element's 5th bit; Q8_0: 8 x 64 signed bytes, one quad each
+ *     scales: GGUF types: 16 fp16 d (and Q4_1's 16 fp16 m); I4G: 16 fp32 d, 16 fp32 m
+ *
+ * Rows past n in the last panel repeat row n - 1. Each column's integer sums and fp32 terms are
+ * gguf_unpack.h's (d and dm derived as unpack_* derives them), so the bits are the row paths'.
+ * AVX-512 (BW + VNNI) only: elsewhere gguf_packed_supported() is 0 and weights stay raw. */
+#ifndef PAGEDSERVE_GGUF_PACKED_H
+#define PAGEDSERVE_GGUF_PACKED_H
+
+#define PACKED_COLS 16
+
+static inline int packed_type(int qtype) {
+    return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0
+        || qtype == T_I4G;
+}
+
+/* Offsets within a packed block: where the scales start, where Q5_0's bit planes start */
+static inline int packed_scales_at(int qtype) {
+    return qtype == T_Q8_0 ? 512 : qtype == T_Q5_0 ? 320 : 256;
+}
+
+/* Packs rows [16 p, 16 p + 16) of the raw weight: every block of the panel */
+static void pack_panel(const qtype_info *info, int qtype, const uint8_t *w, int64_t stride,
+                       int64_t n, int64_t K, int64_t p, uint8_t *out, unpacked_row *row) {
+    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;
+    const int scales_at = packed_scales_at(qtype);
+    memset(out, 0, (size_t)(blocks * bytes));
+    for (int c = 0; c < PACKED_COLS; c++) {
+        const int64_t r = 16 * p + c < n ? 16 * p + c : n - 1;
+        const uint8_t *raw = w + r * stride;
+        info->unpack(raw, K, row);
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = out + b * bytes;
+            const uint8_t *u = row->u + 32 * b, *rb = raw + b * info->bytes;
+            for (int q = 0; q < 8; q++)
+                for (int e = 0; e < 4; e++) {
+                    const uint8_t v = u[4 * q + e];
+                    if (qtype == T_Q8_0) {
+                        blk[64 * q + 4 * c + e] = v;
+                        continue;
+                    }
+                    blk[64 * (q / 2) + 4 * c + e] |= (uint8_t)((v & 0x0f) << (4 * (q % 2)));
+                    if (qtype == T_Q5_0 && (v & 0x10))
+                        blk[256 + 8 * q + (4 * c + e) / 8] |= (uint8_t)(1u << ((4 * c + e) % 8));
+                }
+            if (qtype == T_I4G) {
+                memcpy(blk + scales_at + 4 * c, rb, 4);
+                memcpy(blk + scales_at + 64 + 4 * c, rb + 4, 4);
+            } else {
+                memcpy(blk + scales_at + 2 * c, rb, 2);
+                if (qtype == T_Q4_1) memcpy(blk + scales_at + 32 + 2 * c, rb + 2, 2);
+            }
+        }
+    }
+}
+
+/* The inverse of pack_panel for column c of a panel: its raw row of `qtype` blocks back */
+static void unpack_packed_column(const qtype_info *info, int qtype, const uint8_t *panel,
+                                 int64_t K, int c, uint8_t *raw) {
+    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;
+    const int scales_at = packed_scales_at(qtype);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * bytes;
+        uint8_t u[32], *out = raw + b * info->bytes;
+        for (int q = 0; q < 8; q++)
+            for (int e = 0; e < 4; e++) {
+                const int i = 4 * c + e;
+                if (qtype == T_Q8_0) {
+                    u[4 * q + e] = blk[64 * q + i];
+                    continue;
+                }
+                u[4 * q + e] = (uint8_t)((blk[64 * (q / 2) + i] >> (4 * (q % 2))) & 0x0f);
+                if (qtype == T_Q5_0 && (blk[256 + 8 * q + i / 8] >> (i % 8) & 1))
+                    u[4 * q + e] |= 0x10;
+            }
+        int at = 2;                                           /* where the integers start */
+        if (qtype == T_I4G) {
+            memcpy(out, blk + scales_at + 4 * c, 4);
+            memcpy(out + 4, blk + scales_at + 64 + 4 * c, 4);
+            at = 8;
+        } else {
+            memcpy(out, blk + scales_at + 2 * c, 2);
+            if (qtype == T_Q4_1) {
+                memcpy(out + 2, blk + scales_at + 32 + 2 * c, 2);
+                at = 4;
+            }
+        }
+        if (qtype == T_Q8_0) {
+            memcpy(out + 2, u, 32);
+            continue;
+        }
+        if (qtype == T_Q5_0) {
+            uint32_t qh = 0;
+            for (int j = 0; j < 32; j++) qh |= (uint32_t)(u[j] >> 4) << j;
+            memcpy(out + 2, &qh, 4);
+            at = 6;
+        }
+        for (int j = 0; j < 16; j++)
+            out[at + j] = (uint8_t)((u[j] & 0x0f) | (u[j + 16] & 0x0f) << 4);
+    }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PACKED_SUPPORTED 1
+#define PACKED_ROWS 6
+
+/* d and dm of the panel's 16 columns, as the unpack_* functions derive them */
+static inline void packed_scales(int qtype, const uint8_t *s, __m512 *d, __m512 *dm) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+    if (qtype == T_I4G) {
+        *d = _mm512_loadu_ps(s);
+        *dm = _mm512_xor_ps(_mm512_loadu_ps(s + 64), sign);          /* -m */
+        return;
+    }
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    switch (qtype) {
+        case T_Q4_0: *dm = _mm512_mul_ps(_mm512_set1_ps(8.0f), *d); break;
+        case T_Q5_0: *dm = _mm512_mul_ps(_mm512_set1_ps(16.0f), *d); break;
+        case T_Q4_1:
+            *dm = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32))),
+                                sign);
+            break;
+        default: *dm = _mm512_setzero_ps();                           /* Q8_0 */
+    }
+}
+
+/* quad q's 64 bytes (16 columns x 4 elements) of a packed block */
+static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
+    if (qtype == T_Q8_0) return _mm512_loadu_si512(blk + 64 * q);
+    const __m512i v = _mm512_loadu_si512(blk + 64 * (q / 2)), low4 = _mm512_set1_epi8(0x0f);
+    __m512i u = q % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
+    if (qtype == T_Q5_0) {
+        uint64_t bits;
+        memcpy(&bits, blk + 256 + 8 * q, 8);
+        u = _mm512_mask_add_epi8(u, (__mmask64)bits, u, _mm512_set1_epi8(0x10));
+    }
+    return u;
+}
+
+#define DEFINE_PACKED_ROWS(NAME, QTYPE, ROWS)                                                    \
+static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
+                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS]) {                       \
+    const qtype_info *info = qtype_lookup(QTYPE);                                                \
+    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;                   \
+    __m512 acc[ROWS];                                                                            \
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
+    for (int64_t b = 0; b < blocks; b++) {                                                       \
+        const uint8_t *blk = panel + b * bytes;                                                  \
+        __m512i i1[ROWS];                                                                        \
+        for (int r = 0; r < ROWS; r++) i1[r] = _mm512_setzero_si512();                           \
+        for (int q = 0; q < 8; q++) {                                                            \
+            const __m512i wv = packed_quad(QTYPE, blk, q);                                       \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const __m512i xv = quad512_of(xq + r * K + 32 * b + 4 * q);                      \
+                i1[r] = QTYPE == T_Q8_0 ? signed_dot512(i1[r], wv, xv)                           \
+                                        : _mm512_dpbusd_epi32(i1[r], wv, xv);                    \
+            }                                                                                    \
+        }                                                                                        \
+        __m512 d, dm;                                                                            \
+        packed_scales(QTYPE, blk + packed_scales_at(QTYPE), &d, &dm);                            \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            const int16_t *s = xs + r * (K / 16) + 2 * b;                                        \
+            const __m512 dav = _mm512_set1_ps(xd[r * blocks + b]);                               \
+            const __m512 s1 = _mm512_mul_ps(d, dav), s2 = _mm512_mul_ps(dm, dav);                \
+            const __m512 i2 = _mm512_cvtepi32_ps(_mm512_set1_epi32((int32_t)s[0] + (int32_t)s[1])); \
+            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(                                        \
+                _mm512_mul_ps(s1, _mm512_cvtepi32_ps(i1[r])), _mm512_mul_ps(s2, i2)));           \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out[r], acc[r]);                             \
+}
+
+typedef void (*packed_rows_fn)(const uint8_t *, int64_t, const int8_t *, const float *,
+                               const int16_t *, float[PACKED_ROWS][PACKED_COLS]);
+
+#define DEFINE_PACKED_TYPE(T, QTYPE)                                                             \
+    DEFINE_PACKED_ROWS(packed_##T##_1, QTYPE, 1)                                                 \
+    DEFINE_PACKED_ROWS(packed_##T##_2, QTYPE, 2)                                                 \
+    DEFINE_PACKED_ROWS(packed_##T##_3, QTYPE, 3)                                                 \
+    DEFINE_PACKED_ROWS(packed_##T##_4, QTYPE, 4)                                                 \
+    DEFINE_PACKED_ROWS(packed_##T##_5, QTYPE, 5)                                                 \
+    DEFINE_PACKED_ROWS(packed_##T##_6, QTYPE, 6)                                                 \
+    static const packed_rows_fn packed_##T[PACKED_ROWS] = {                                      \
+        packed_##T##_1, packed_##T##_2, packed_##T##_3, packed_##T##_4, packed_##T##_5,          \
+        packed_##T##_6};
+DEFINE_PACKED_TYPE(q4_0, T_Q4_0)
+DEFINE_PACKED_TYPE(q4_1, T_Q4_1)
+DEFINE_PACKED_TYPE(q5_0, T_Q5_0)
+DEFINE_PACKED_TYPE(q8_0, T_Q8_0)
+DEFINE_PACKED_TYPE(i4g, T_I4G)
+
+static const packed_rows_fn *packed_rows_for(int qtype) {
+    switch (qtype) {
+        case T_Q4_0: return packed_q4_0;
+        case T_Q4_1: return packed_q4_1;
+        case T_Q5_0: return packed_q5_0;
+        case T_Q8_0: return packed_q8_0;
+        default: return packed_i4g;
+    }
+}
+
+typedef struct {
+    int qtype;
+    const uint8_t *packed;
+    int64_t n, k, panel_bytes;
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *xs;
+    int64_t m;
+    float *y;
+    int64_t ldy, panels_per_task, num_panels;
+} packed_job;
+
+static void packed_task(void *ctx, int64_t task) {
+    const packed_job *job = ctx;
+    const packed_rows_fn *rows_fn = packed_rows_for(job->qtype);
+    const int64_t K = job->k, blocks = K / 32;
+    float out[PACKED_ROWS][PACKED_COLS];
+    const int64_t first = task * job->panels_per_task;
+    int64_t last = first + job->panels_per_task;
+    if (last > job->num_panels) last = job->num_panels;
+    for (int64_t p = first; p < last; p++) {
+        const int64_t n0 = p * PACKED_COLS;
+        const int live = job->n - n0 < PACKED_COLS ? (int)(job->n - n0) : PACKED_COLS;
+        for (int64_t t = 0; t < job->m; t += PACKED_ROWS) {
+            const int64_t rows = job->m - t < PACKED_ROWS ? job->m - t : PACKED_ROWS;
+            rows_fn[rows - 1](job->packed + p * job->panel_bytes, K, job->xq + t * K,
+                              job->xd + t * blocks, job->xs + t * (K / 16), out);
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(job->y + (t + r) * job->ldy + n0, out[r], sizeof(float) * (size_t)live);
+        }
+    }
+}
+#else
+#define PACKED_SUPPORTED 0
+#endif
+
+#endif
