@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 PROMPTS = [[1, 104, 75, 82, 49, 14], [1, 42, 43, 44, 45], [1, 98, 12, 7, 201, 99, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)   # still running at the kill
 
 
 def _launcher(hosts, node: int, model_dir, folder: Path, port: int, secret: Path):
@@ -91,15 +92,17 @@ def greedy(client, prompts=PROMPTS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tp1_outputs(tiny_model):
+    """{params: greedy token ids of PROMPTS} from one rank, in process."""
     from pagedserve import LLM
     with LLM(model=str(tiny_model), in_process=True, dtype="float32", quantization="none",
              kv_cache_memory="2MiB", swap_space=0.002) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return {params.max_tokens: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+                for params in (GREEDY, LONG)}
 
 
 def test_tp2_across_two_hosts_equals_tp1_and_binds_only_the_given_addresses(cluster, tp1_outputs):
     hosts, _, client, _ = cluster
-    assert greedy(client) == tp1_outputs
+    assert greedy(client) == tp1_outputs[GREEDY.max_tokens]
     for node in (0, 1):   # rendezvous, plans and gloo: on the node's own address only
         listening = hosts.listening(node)
         assert listening and all(a.startswith(hosts.addresses[node] + ":") for a in listening), \
@@ -116,7 +119,7 @@ def test_a_peer_with_a_wrong_secret_is_refused_and_logged(cluster, tp1_outputs):
     assert "dropped a WorkerReady" not in log       # nothing of theirs reached the scheduler
     assert client.stats()["unknown_messages"] == [] or all(
         row["type"] != "WorkerReady" for row in client.stats()["unknown_messages"])
-    assert greedy(client, PROMPTS[:1]) == tp1_outputs[:1]
+    assert greedy(client, PROMPTS[:1]) == tp1_outputs[GREEDY.max_tokens][:1]
 
 
 def _pid_of(launcher: subprocess.Popen, role: str) -> int:
@@ -130,10 +133,13 @@ def test_a_worker_killed_on_the_remote_host_recovers(cluster, tp1_outputs):
     """SIGKILL of rank 1 on node 1 mid-stream: node 1 restarts it, node 0's rank 0 loses the
     step and the group is rebuilt; the requests complete with the clean run's tokens."""
     _, nodes, client, _ = cluster
-    long = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    futures = [client.submit(p, long) for p in PROMPTS]
-    time.sleep(1.0)
+    before = client.stats()["generation_tokens"]
+    futures = [client.submit(p, LONG) for p in PROMPTS]
+    deadline = time.monotonic() + 120
+    while client.stats()["generation_tokens"] < before + 3 * 5:    # mid-stream
+        assert time.monotonic() < deadline and not any(f.done() for f in futures)
+        time.sleep(0.05)
     os.kill(_pid_of(nodes[1], "worker1"), signal.SIGKILL)
     outputs = [f.result(timeout=300).outputs[0].token_ids for f in futures]
-    assert [o[:16] for o in outputs] == tp1_outputs
+    assert outputs == tp1_outputs[LONG.max_tokens]
     assert client.stats()["restarts"].get("worker", 0) >= 1
