@@ -16,7 +16,8 @@ from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.pipeline.scheduler.sequence import SequenceStatus
 from pagedserve.pipeline.structured.matchers import GrammarBook
 from pagedserve.pipeline.structured.spec import StructuredOutputs as S
-from pagedserve.workers.sampling.grammar_mask import apply_grammar_masks, unpack_bitmask
+from pagedserve.workers.sampling.grammar_mask import (apply_bitmask_torch, apply_grammar_masks,
+                                                     unpack_bitmask)
 from pagedserve.workers.testing import make_tiny_llama
 
 SCHEMA = {"type": "object", "properties": {
@@ -48,6 +49,19 @@ def test_unpacked_bitmask_is_the_bits():
     for row in range(3):
         for t in range(100):
             assert allowed[row, t].item() == bool((int(words[row, t // 32]) >> (t % 32)) & 1)
+
+
+def test_the_native_and_torch_mask_ops_agree():
+    logits = torch.randn(5, 1000)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32)
+    masks = messages.GrammarMasks([11, 12, 13], 32, words.numpy().tobytes())
+    native = apply_grammar_masks(logits, [12, 99, 11, 13, 98], masks)  # CPU fp32: xgrammar's
+    expected = logits.clone()
+    for row, mask_row in ((0, 1), (2, 0), (3, 2)):
+        expected[row] = apply_bitmask_torch(logits[row:row + 1], words[mask_row:mask_row + 1])[0]
+    assert torch.equal(native, expected)
+    assert torch.equal(apply_grammar_masks(logits.double(), [12, 99, 11, 13, 98], masks),
+                       expected.double())  # fp64: the torch op
 
 
 def test_masks_apply_only_to_their_rows():

@@ -142,37 +142,49 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_required_and_named_always_call_with_valid_arguments(server, tool_choice):
+def test_required_and_named_always_call_with_valid_arguments(server):
     _, sdk, model = server
-    for seed in range(4):
+    named = {"type": "function", "function": {"name": "add"}}
+
+    def one(k):
+        choice = "required" if k % 2 else named
         r = sdk.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD],
-                                        tool_choice=tool_choice, parallel_tool_calls=False,
-                                        temperature=1.0, seed=seed, max_tokens=80)
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls"
-        [call] = choice.message.tool_calls
-        assert call.id and call.type == "function"
-        if isinstance(tool_choice, dict):
-            assert call.function.name == "add"
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+                                        tool_choice=choice, parallel_tool_calls=False,
+                                        temperature=1.0, seed=k, max_tokens=60)
+        return choice, r.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        for choice, c in pool.map(one, range(8)):
+            assert c.finish_reason == "tool_calls"
+            [call] = c.message.tool_calls
+            assert call.id and call.type == "function"
+            if choice is named:
+                assert call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
 
 
 def test_streamed_tool_call_deltas_assemble_to_the_body(server):
     _, sdk, model = server
     kw = dict(model=model, messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
-              temperature=0, max_tokens=80)
-    body = sdk.chat.completions.create(**kw).choices[0]
-    calls, first, reason = [], [], None
-    for chunk in sdk.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            reason = c.finish_reason or reason
-            for d in c.delta.tool_calls or []:
-                if d.index == len(calls):  # a new call: its id and name come first
-                    first.append(bool(d.id and d.function.name))
-                    calls.append({"name": d.function.name, "arguments": ""})
-                calls[d.index]["arguments"] += d.function.arguments or ""
-    assert all(first) and reason == body.finish_reason == "tool_calls"
+              temperature=0, max_tokens=60)
+
+    def streamed():
+        calls, first, reason = [], [], None
+        for chunk in sdk.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                reason = c.finish_reason or reason
+                for d in c.delta.tool_calls or []:
+                    if d.index == len(calls):  # a new call: its id and name come first
+                        first.append(bool(d.id and d.function.name))
+                        calls.append({"name": d.function.name, "arguments": ""})
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+        return calls, first, reason
+
+    with ThreadPoolExecutor(2) as pool:
+        body_future = pool.submit(lambda: sdk.chat.completions.create(**kw).choices[0])
+        calls, first, reason = streamed()
+        body = body_future.result()
+    assert calls and all(first) and reason == body.finish_reason == "tool_calls"
     assert calls == [{"name": c.function.name, "arguments": c.function.arguments}
                      for c in body.message.tool_calls]
 
@@ -181,12 +193,12 @@ def test_tool_result_round_trip_gives_an_answer(server):
     _, sdk, model = server
     r = sdk.chat.completions.create(model=model, messages=ASK, tools=[WEATHER],
                                     tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                    temperature=0, max_tokens=60)
+                                    temperature=0, max_tokens=40)
     call = r.choices[0].message.tool_calls[0]
     follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
     final = sdk.chat.completions.create(model=model, messages=follow, tools=[WEATHER],
-                                        tool_choice="none", temperature=0, max_tokens=40)
+                                        tool_choice="none", temperature=0, max_tokens=16)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
