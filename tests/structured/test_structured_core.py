@@ -206,3 +206,25 @@ def test_a_thinking_model_is_constrained_after_its_thinking_only(core):
                              .view(1, -1), 259)[0]
     assert allowed[ord("3")] and not allowed[ord("a")]
     assert mask_after("7") is not None  # no thinking block: constrained from the first token
+
+
+def test_preempted_constrained_sequences_continue_exactly(tiny_dir, core):
+    """A pool of 18 blocks forces recompute preemptions: every output is still valid and the
+    same as with room to spare (greedy)."""
+    from pagedserve.workers.build import build_core
+    config = EngineConfig.from_kwargs(model=str(tiny_dir), dtype="float32", kv_cache_memory="8MiB",
+                                      block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                                      swap_space=0.0, preemption_mode="recompute")
+    from pagedserve.pipeline.launch import resolve_model
+    resolve_model(config)
+    worker, _, _ = build_core(config, 0, shared_swap=False)
+    small = EngineCore(config, worker, 18, 0, core.detokenizer.tokenizer)
+    requests = {f"r{i}": ([30 + i, 40, 50], SamplingParams(
+        temperature=0.0, max_tokens=120, structured_outputs=S.from_json_schema(SCHEMA)))
+        for i in range(6)}
+    tight, _, rejected = run(small, requests)
+    assert rejected == [] and small.scheduler.num_preemptions > 0
+    roomy, _, _ = run(core, requests)
+    assert tight == roomy
+    for out in tight.values():
+        jsonschema.validate(json.loads(out), SCHEMA)
