@@ -95,3 +95,14 @@ def test_bad_tools_are_400s_naming_the_problem(tools, choice, parser, words):
     with pytest.raises(APIError) as err:
         plan_tools(tools, choice, None, parser)
     assert err.value.status == 400 and words in err.value.message
+
+
+def test_tools_on_a_template_without_tool_support_are_a_400():
+    from pagedserve.pipeline.ingress.chat import render_chat
+    from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
+    from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    with pytest.raises(APIError) as err:
+        render_chat(make_tiny_tokenizer(), req, TOOLS)
+    assert err.value.status == 400 and "does not render tools" in err.value.message
+    assert render_chat(make_tiny_tokenizer(), req)  # without tools it renders
