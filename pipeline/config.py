@@ -111,11 +111,12 @@ class ParallelArgs:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
 
-    def threads_per_rank(self) -> int:
-        """torch and native decode attention threads for one CPU worker rank (see cpu_threads)."""
+    def threads_per_rank(self, ranks_on_host: int | None = None) -> int:
+        """torch and native decode attention threads for one CPU worker rank (see cpu_threads);
+        `ranks_on_host`: the ranks sharing this host's cores (default: all of them)."""
         if self.cpu_threads is not None:
             return self.cpu_threads
-        return max(1, _usable_cores() // self.tensor_parallel_size)
+        return max(1, _usable_cores() // (ranks_on_host or self.tensor_parallel_size))
 
 
 def _usable_cores() -> int:

@@ -114,3 +114,13 @@ def test_multinode_settings_are_checked():
         ClusterArgs(nnodes=2, node_rank=2, master_addr="h")
     assert list(ClusterArgs(nnodes=2, node_rank=1, master_addr="h").local_ranks(4)) == [2, 3]
     assert list(ClusterArgs().local_ranks(3)) == [0, 1, 2]
+
+
+def test_cpu_threads_split_the_cores_of_this_host_only(monkeypatch):
+    from pagedserve.pipeline import config
+    monkeypatch.setattr(config, "_usable_cores", lambda: 8)
+    parallel = ParallelArgs(tensor_parallel_size=4)
+    assert parallel.threads_per_rank() == 2                  # one host holds all 4 ranks
+    ranks_here = len(ClusterArgs(nnodes=2, master_addr="h").local_ranks(4))
+    assert parallel.threads_per_rank(ranks_here) == 4        # 2 of the 4 on each of 2 hosts
+    assert ParallelArgs(tensor_parallel_size=4, cpu_threads=3).threads_per_rank(2) == 3

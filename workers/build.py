@@ -57,8 +57,9 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     device = pick_device(cfg, rank)
     adapt_threads = device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ
     if adapt_threads:  # else $OMP_NUM_THREADS sets torch's threads and the kernel follows them
-        torch.set_num_threads(cfg.parallel.threads_per_rank())
-        native_decode_attention.set_threads(cfg.parallel.threads_per_rank())
+        threads = cfg.parallel.threads_per_rank(len(cfg.cluster.local_ranks(tp)))
+        torch.set_num_threads(threads)
+        native_decode_attention.set_threads(threads)
     dtype = resolve_dtype(cfg.model.dtype, device)
     quantization = weights_quantization(cfg.model.quantization, cfg.model.model)
     if cfg.model.dtype == "auto" and device.type == "cpu" and quantization != "none":
