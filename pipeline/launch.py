@@ -109,9 +109,10 @@ class Supervisor:
             cfg.ipc.dist_init_addr = cfg.ipc.rendezvous(0)
         workers = [Child("worker", rank, ROLE_MODULES["worker"])
                    for rank in cfg.cluster.local_ranks(cfg.parallel.tensor_parallel_size)]
-        roles = [] if self.headless else ["detokenizer"] + (["ingress"] if cfg.server.http else [])
-        self.children = ([] if self.headless else [Child("scheduler", 0, ROLE_MODULES["scheduler"])])
-        self.children += workers + [Child(role, 0, ROLE_MODULES[role]) for role in roles]
+        before = [] if self.headless else ["scheduler"]
+        after = [] if self.headless else ["detokenizer", *(["ingress"] if cfg.server.http else [])]
+        self.children = ([Child(role, 0, ROLE_MODULES[role]) for role in before] + workers
+                         + [Child(role, 0, ROLE_MODULES[role]) for role in after])
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.ctx = zmq.Context()
         self.control = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)

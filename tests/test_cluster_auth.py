@@ -124,3 +124,20 @@ def test_cpu_threads_split_the_cores_of_this_host_only(monkeypatch):
     ranks_here = len(ClusterArgs(nnodes=2, master_addr="h").local_ranks(4))
     assert parallel.threads_per_rank(ranks_here) == 4        # 2 of the 4 on each of 2 hosts
     assert ParallelArgs(tensor_parallel_size=4, cpu_threads=3).threads_per_rank(2) == 3
+
+
+def test_a_node_other_than_0_runs_only_its_worker_ranks(tmp_path):
+    from pagedserve.pipeline import launch
+    from pagedserve.pipeline.config import EngineConfig
+    cfg = EngineConfig.from_kwargs(tensor_parallel_size=4, nnodes=2, node_rank=1,
+                                   master_addr="127.0.0.1", master_port=29555,
+                                   cluster_secret_file=write_secret(tmp_path),
+                                   ipc_dir=str(tmp_path / "ipc"))
+    cfg.ipc.fill_defaults()
+    supervisor = launch.Supervisor(cfg)
+    try:
+        assert [c.name for c in supervisor.children] == ["worker2", "worker3"]
+        assert supervisor.headless and supervisor.node_interface == "lo"
+        assert cfg.ipc.plan_addr == "tcp://127.0.0.1:29556"
+    finally:
+        supervisor._cleanup()
