@@ -15,7 +15,7 @@ import torch
 
 from . import native
 from ._checks import require
-from .quant_formats import BLOCKS, QType, QuantizedWeight, block_size, dequantize_ref
+from .quant_formats import BLOCKS, QType, QuantizedWeight, block_size, dequantize_ref, row_bytes
 
 FEATURE = "linear_gguf"
 _ZERO_BELOW = 2.0 ** -100   # a block with max|v| under this counts as zero (linear_gguf.c)
@@ -78,8 +78,7 @@ def _check_rows(w: QuantizedWeight) -> None:
 
 
 # The types gguf_pack repacks into panels of 16 rows (kernels/native/gguf_packed.h)
-PACKED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G})
-_PACK_ROWS = 16
+PACKED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G, QType.Q4_K})
 
 
 def packing_supported() -> bool:
@@ -90,10 +89,10 @@ def packing_supported() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A QuantizedWeight of a PACKED_TYPES type repacked into panels of 16 rows: the same bytes,
-    in the order the panel kernel reads them (`pack`, `unpack`)."""
+    """A QuantizedWeight of a PACKED_TYPES type repacked into panels of 16 rows: the raw bytes in
+    the order the panel kernel reads them (Q4_K adds its decoded scales), `pack` / `unpack`."""
     qtype: QType
-    data: torch.Tensor                  # uint8 [ceil(n / 16) * 16 * row_bytes]
+    data: torch.Tensor                  # uint8 [gguf_packed_bytes(qtype, n, k)]
     n: int
     k: int
     perm: torch.Tensor | None = None
@@ -111,10 +110,10 @@ def pack(w: QuantizedWeight) -> PackedWeight:
     """`w` repacked into panels (packing_supported() and w.qtype in PACKED_TYPES)."""
     _check_rows(w)
     n, k = w.shape
-    row_bytes = w.data.shape[1]
-    out = torch.empty(-(-n // _PACK_ROWS) * _PACK_ROWS * row_bytes, dtype=torch.uint8)
-    status = _library().gguf_pack(int(w.qtype), w.data.data_ptr(), n, k, w.data.stride(0),
-                                  out.data_ptr())
+    lib = _library()
+    out = torch.empty(max(lib.gguf_packed_bytes(int(w.qtype), n, k), 0), dtype=torch.uint8)
+    status = lib.gguf_pack(int(w.qtype), w.data.data_ptr(), n, k, w.data.stride(0),
+                           out.data_ptr())
     if status != 0:
         raise ValueError(f"native_linear_gguf.pack: {_STATUS.get(status, status)} for "
                          f"{w.qtype.name} [{n}, {k}]")
@@ -126,8 +125,7 @@ def unpack(p: PackedWeight, rows: torch.Tensor | None = None) -> QuantizedWeight
     given."""
     idx = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
     count = p.n if idx is None else idx.numel()
-    raw = torch.empty(count, p.data.numel() // (-(-p.n // _PACK_ROWS) * _PACK_ROWS),
-                      dtype=torch.uint8)
+    raw = torch.empty(count, row_bytes(p.qtype, p.k), dtype=torch.uint8)
     if count:
         status = _library().gguf_unpack_packed(int(p.qtype), p.data.data_ptr(), p.n, p.k,
                                                None if idx is None else idx.data_ptr(), count,

@@ -58,6 +58,7 @@ LINEAR_GGUF = Feature(
      "gguf_quantize_rows": (I32, (P, I64, I64, I64, I32, P, P, P)),
      "gguf_dequantize_rows": (I32, (I32, P, I64, I64, I64, P, I64, P)),
      "gguf_packed_supported": (I32, ()),
+     "gguf_packed_bytes": (I64, (I32, I64, I64)),
      "gguf_pack": (I32, (I32, P, I64, I64, I64, P)),
      "gguf_unpack_packed": (I32, (I32, P, I64, I64, P, I64, P, I64)),
      "gguf_packed_linear": (I32, (I32, P, I64, I64, P, I64, I64, P, I64, I32))})

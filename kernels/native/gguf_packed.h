@@ -1,4 +1,5 @@
-/* The 32-element types (Q4_0, Q4_1, Q5_0, Q8_0, I4G) repacked once, at load, into panels of 16
+/* Quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, I4G; Q4_K in gguf_packed_k.h) repacked
+ * once, at load, into panels of 16
  * rows: a broadcast quad of x meets a panel's 16 columns in one zmm, for every row count, with
  * nothing unpacked per call and no horizontal sums (decode reads each weight byte once, as the
  * panel's integers are laid out). The bytes per block are the raw format's, rearranged:
@@ -12,6 +13,7 @@
  * Rows past n in the last panel repeat row n - 1. Each column's integer sums and fp32 terms are
  * gguf_unpack.h's (d and dm derived as unpack_* derives them), so the bits are the row paths'.
  * AVX-512 (BW + VNNI) only: elsewhere gguf_packed_supported() is 0 and weights stay raw. */
+
 #ifndef PAGEDSERVE_GGUF_PACKED_H
 #define PAGEDSERVE_GGUF_PACKED_H
 
@@ -19,45 +21,55 @@
 
 static inline int packed_type(int qtype) {
     return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0
-        || qtype == T_I4G;
+        || qtype == T_I4G || qtype == T_Q4_K;
 }
+
+/* bytes of one packed block (16 rows) */
+static inline int64_t packed_block_bytes(int qtype) {
+    return qtype == T_Q4_K ? 2560 : (int64_t)PACKED_COLS * qtype_lookup(qtype)->bytes;
+}
+
+#include "gguf_packed_k.h"
 
 /* Offsets within a packed block: where the scales start, where Q5_0's bit planes start */
 static inline int packed_scales_at(int qtype) {
     return qtype == T_Q8_0 ? 512 : qtype == T_Q5_0 ? 320 : 256;
 }
 
+/* column c of one packed block of a 32-element type, from its unpacked u and raw block rb */
+static void pack_32_block(int qtype, const uint8_t *u, const uint8_t *rb, int c, uint8_t *blk) {
+    const int scales_at = packed_scales_at(qtype);
+    for (int q = 0; q < 8; q++)
+        for (int e = 0; e < 4; e++) {
+            const uint8_t v = u[4 * q + e];
+            if (qtype == T_Q8_0) {
+                blk[64 * q + 4 * c + e] = v;
+                continue;
+            }
+            blk[64 * (q / 2) + 4 * c + e] |= (uint8_t)((v & 0x0f) << (4 * (q % 2)));
+            if (qtype == T_Q5_0 && (v & 0x10))
+                blk[256 + 8 * q + (4 * c + e) / 8] |= (uint8_t)(1u << ((4 * c + e) % 8));
+        }
+    if (qtype == T_I4G) {
+        memcpy(blk + scales_at + 4 * c, rb, 4);
+        memcpy(blk + scales_at + 64 + 4 * c, rb + 4, 4);
+    } else {
+        memcpy(blk + scales_at + 2 * c, rb, 2);
+        if (qtype == T_Q4_1) memcpy(blk + scales_at + 32 + 2 * c, rb + 2, 2);
+    }
+}
+
 /* Packs rows [16 p, 16 p + 16) of the raw weight: every block of the panel */
 static void pack_panel(const qtype_info *info, int qtype, const uint8_t *w, int64_t stride,
                        int64_t n, int64_t K, int64_t p, uint8_t *out, unpacked_row *row) {
-    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;
-    const int scales_at = packed_scales_at(qtype);
+    const int64_t blocks = K / info->block, bytes = packed_block_bytes(qtype);
     memset(out, 0, (size_t)(blocks * bytes));
     for (int c = 0; c < PACKED_COLS; c++) {
-        const int64_t r = 16 * p + c < n ? 16 * p + c : n - 1;
-        const uint8_t *raw = w + r * stride;
+        const uint8_t *raw = w + (16 * p + c < n ? 16 * p + c : n - 1) * stride;
         info->unpack(raw, K, row);
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *blk = out + b * bytes;
-            const uint8_t *u = row->u + 32 * b, *rb = raw + b * info->bytes;
-            for (int q = 0; q < 8; q++)
-                for (int e = 0; e < 4; e++) {
-                    const uint8_t v = u[4 * q + e];
-                    if (qtype == T_Q8_0) {
-                        blk[64 * q + 4 * c + e] = v;
-                        continue;
-                    }
-                    blk[64 * (q / 2) + 4 * c + e] |= (uint8_t)((v & 0x0f) << (4 * (q % 2)));
-                    if (qtype == T_Q5_0 && (v & 0x10))
-                        blk[256 + 8 * q + (4 * c + e) / 8] |= (uint8_t)(1u << ((4 * c + e) % 8));
-                }
-            if (qtype == T_I4G) {
-                memcpy(blk + scales_at + 4 * c, rb, 4);
-                memcpy(blk + scales_at + 64 + 4 * c, rb + 4, 4);
-            } else {
-                memcpy(blk + scales_at + 2 * c, rb, 2);
-                if (qtype == T_Q4_1) memcpy(blk + scales_at + 32 + 2 * c, rb + 2, 2);
-            }
+            if (info->kquant) pack_k_block(row, b, raw + b * info->bytes, c, out + b * bytes);
+            else pack_32_block(qtype, row->u + 32 * b, raw + b * info->bytes, c, out + b * bytes);
         }
     }
 }
@@ -65,11 +77,15 @@ static void pack_panel(const qtype_info *info, int qtype, const uint8_t *w, int6
 /* The inverse of pack_panel for column c of a panel: its raw row of `qtype` blocks back */
 static void unpack_packed_column(const qtype_info *info, int qtype, const uint8_t *panel,
                                  int64_t K, int c, uint8_t *raw) {
-    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;
+    const int64_t blocks = K / info->block, bytes = packed_block_bytes(qtype);
     const int scales_at = packed_scales_at(qtype);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * bytes;
         uint8_t u[32], *out = raw + b * info->bytes;
+        if (info->kquant) {
+            unpack_k_block(blk, c, out);
+            continue;
+        }
         for (int q = 0; q < 8; q++)
             for (int e = 0; e < 4; e++) {
                 const int i = 4 * c + e;
@@ -149,7 +165,7 @@ static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS]) {                       \
     const qtype_info *info = qtype_lookup(QTYPE);                                                \
-    const int64_t blocks = K / 32, bytes = (int64_t)PACKED_COLS * info->bytes;                   \
+    const int64_t blocks = K / 32, bytes = packed_block_bytes(QTYPE);                            \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
@@ -197,8 +213,18 @@ DEFINE_PACKED_TYPE(q5_0, T_Q5_0)
 DEFINE_PACKED_TYPE(q8_0, T_Q8_0)
 DEFINE_PACKED_TYPE(i4g, T_I4G)
 
+DEFINE_PACKED_K_ROWS(packed_q4_k_1, 1)
+DEFINE_PACKED_K_ROWS(packed_q4_k_2, 2)
+DEFINE_PACKED_K_ROWS(packed_q4_k_3, 3)
+DEFINE_PACKED_K_ROWS(packed_q4_k_4, 4)
+DEFINE_PACKED_K_ROWS(packed_q4_k_5, 5)
+DEFINE_PACKED_K_ROWS(packed_q4_k_6, 6)
+static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
+    packed_q4_k_1, packed_q4_k_2, packed_q4_k_3, packed_q4_k_4, packed_q4_k_5, packed_q4_k_6};
+
 static const packed_rows_fn *packed_rows_for(int qtype) {
     switch (qtype) {
+        case T_Q4_K: return packed_q4_k;
         case T_Q4_0: return packed_q4_0;
         case T_Q4_1: return packed_q4_1;
         case T_Q5_0: return packed_q5_0;
@@ -222,7 +248,7 @@ typedef struct {
 static void packed_task(void *ctx, int64_t task) {
     const packed_job *job = ctx;
     const packed_rows_fn *rows_fn = packed_rows_for(job->qtype);
-    const int64_t K = job->k, blocks = K / 32;
+    const int64_t K = job->k, blocks = K / qtype_lookup(job->qtype)->block;
     float out[PACKED_ROWS][PACKED_COLS];
     const int64_t first = task * job->panels_per_task;
     int64_t last = first + job->panels_per_task;

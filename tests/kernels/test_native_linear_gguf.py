@@ -188,16 +188,19 @@ needs_packing = pytest.mark.skipif(not gl.packing_supported(),
 @needs_packing
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
 def test_packed_weights_unpack_to_their_bytes_and_multiply_to_the_same_bits(qtype, rng):
-    w = random_weight(qtype, 37, 544, rng)          # a short last panel, a 16-quad tail
+    k = 768 if gl.activation_block(qtype) == 256 else 544     # 544: a 16-quad tail
+    w = random_weight(qtype, 37, k, rng)            # a short last panel
     packed = gl.pack(w)
-    assert packed.nbytes == 48 * w.data.shape[1]    # the raw bytes, rearranged (3 panels)
+    # the raw bytes rearranged (3 panels of 16 rows); Q4_K adds its decoded scales
+    extra = 16 * (k // 256) if qtype == QType.Q4_K else 0
+    assert packed.nbytes == 48 * (w.data.shape[1] + extra)
     assert torch.equal(gl.unpack(packed).data, w.data)
     ids = torch.tensor([[0, 36, 17], [16, 15, 3]])
     assert torch.equal(gl.unpack(packed, ids).data, w.data[ids.reshape(-1)])
     assert torch.equal(gl.dequantize_rows(packed, ids).nan_to_num(7.0),
                        gl.dequantize_rows(w, ids).nan_to_num(7.0))
     for m in (1, 2, 6, 7, 13):
-        x = activations(m, 544, rng)
+        x = activations(m, k, rng)
         raw = gl.linear(x, w, threads=1).nan_to_num(7.0)
         for threads in (1, 2):
             assert torch.equal(gl.linear(x, packed, threads=threads).nan_to_num(7.0), raw), m

@@ -1,0 +1,95 @@
+/* gguf_packed.h's panels for Q4_K (super-blocks of 256). Block b of a panel (16 rows), 2560
+ * bytes: nibbles 32 x 64 bytes (chunk j: quads 2j low, 2j + 1 high, as the 32-element types),
+ * 8 x 16 sub-block scales, 8 x 16 mins (bytes), the rows' raw 12-byte scale fields (16 x 12, for
+ * the way back to raw), 16 fp16 d, 16 fp16 dmin. The integer sums and terms are
+ * gguf_wide512.h's k-quant body, lane by lane: the same bits. (Q6_K stays raw: packed the same
+ * way, its 6-bit unpacking made Qwen2.5-1.5B's decode linears slower, 189 -> 258 ms a token on
+ * one thread, than its in-register row path.) Included by gguf_packed.h. */
+#ifndef PAGEDSERVE_GGUF_PACKED_K_H
+#define PAGEDSERVE_GGUF_PACKED_K_H
+
+enum { Q4K_SC = 2048, Q4K_MIN = 2176, Q4K_RAW = 2304, Q4K_D = 2496, Q4K_DMIN = 2528 };
+
+/* column c of one packed super-block from the unpacked row (u, sc2, mc of block b) and its raw
+ * block rb */
+static void pack_k_block(const unpacked_row *row, int64_t b, const uint8_t *rb, int c,
+                         uint8_t *blk) {
+    const uint8_t *u = row->u + 256 * b;
+    for (int q = 0; q < 64; q++)
+        for (int e = 0; e < 4; e++)
+            blk[64 * (q / 2) + 4 * c + e] |= (uint8_t)((u[4 * q + e] & 0x0f) << (4 * (q % 2)));
+    for (int j = 0; j < 8; j++) {
+        blk[Q4K_SC + 16 * j + c] = (uint8_t)row->sc2[128 * b + 16 * j];
+        blk[Q4K_MIN + 16 * j + c] = (uint8_t)row->mc[16 * b + 2 * j];
+    }
+    memcpy(blk + Q4K_RAW + 12 * c, rb + 4, 12);
+    memcpy(blk + Q4K_D + 2 * c, rb, 2);
+    memcpy(blk + Q4K_DMIN + 2 * c, rb + 2, 2);
+}
+
+/* pack_k_block's inverse: column c's raw super-block */
+static void unpack_k_block(const uint8_t *blk, int c, uint8_t *out) {
+    memcpy(out, blk + Q4K_D + 2 * c, 2);
+    memcpy(out + 2, blk + Q4K_DMIN + 2 * c, 2);
+    memcpy(out + 4, blk + Q4K_RAW + 12 * c, 12);
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 32; l++) {
+            const int lo = 64 * i + l, hi = lo + 32;   /* elements, each at quad e / 4 */
+            const uint8_t a = (blk[64 * (lo / 8) + 4 * c + lo % 4] >> (4 * (lo / 4 % 2))) & 0x0f;
+            const uint8_t h = (blk[64 * (hi / 8) + 4 * c + hi % 4] >> (4 * (hi / 4 % 2))) & 0x0f;
+            out[16 + 32 * i + l] = (uint8_t)(a | h << 4);
+        }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* group g's scales as int16 pairs (lanes 2c, 2c + 1: column c's) and its mins as int32 */
+static inline void packed_k_group(const uint8_t *blk, int g, __m512i *sc, __m512i *mc) {
+    const __m512i t = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i *)(blk + Q4K_SC + 16 * (g / 2))));
+    *mc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q4K_MIN + 16 * (g / 2))));
+    *sc = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
+}
+
+static inline __m512i packed_k_quad(const uint8_t *blk, int q) {
+    const __m512i v = _mm512_loadu_si512(blk + 64 * (q / 2)), low4 = _mm512_set1_epi8(0x0f);
+    return q % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
+}
+
+#define DEFINE_PACKED_K_ROWS(NAME, ROWS)                                                         \
+static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
+                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS]) {                       \
+    const int64_t blocks = K / 256, bytes = packed_block_bytes(T_Q4_K);                          \
+    __m512 acc[ROWS];                                                                            \
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
+    for (int64_t b = 0; b < blocks; b++) {                                                       \
+        const uint8_t *blk = panel + b * bytes;                                                  \
+        __m512i i1[ROWS], i2[ROWS];                                                              \
+        for (int r = 0; r < ROWS; r++) i1[r] = i2[r] = _mm512_setzero_si512();                   \
+        for (int g = 0; g < 16; g++) {                                                           \
+            __m512i sc, mc;                                                                      \
+            packed_k_group(blk, g, &sc, &mc);                                                    \
+            for (int q = 4 * g; q < 4 * g + 4; q++) {                                            \
+                const __m512i wv = packed_k_quad(blk, q);                                        \
+                for (int r = 0; r < ROWS; r++)                                                   \
+                    i1[r] = _mm512_add_epi32(i1[r], _mm512_madd_epi16(                           \
+                        _mm512_maddubs_epi16(wv, quad512_of(xq + r * K + 256 * b + 4 * q)), sc)); \
+            }                                                                                    \
+            for (int r = 0; r < ROWS; r++)                                                       \
+                i2[r] = _mm512_add_epi32(i2[r], _mm512_mullo_epi32(                              \
+                    mc, _mm512_set1_epi32(xs[r * (K / 16) + 16 * b + g])));                      \
+        }                                                                                        \
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_D)));   \
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_DMIN))); \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            const __m512 dav = _mm512_set1_ps(xd[r * blocks + b]);                               \
+            const __m512 s1 = _mm512_mul_ps(d, dav), s2 = _mm512_mul_ps(dm, dav);                \
+            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(                                        \
+                _mm512_mul_ps(s1, _mm512_cvtepi32_ps(i1[r])),                                    \
+                _mm512_mul_ps(s2, _mm512_cvtepi32_ps(i2[r]))));                                  \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out[r], acc[r]);                             \
+}
+#endif
+
+#endif
