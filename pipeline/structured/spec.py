@@ -86,7 +86,7 @@ def parse_grammar(spec: StructuredOutputs):
     import xgrammar as xgr
     kind = spec.kind
     if kind == "json":
-        return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        return _json_control_chars_escaped(xgr.Grammar.from_json_schema(spec.json, any_whitespace=False))
     if kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":
@@ -96,6 +96,25 @@ def parse_grammar(spec: StructuredOutputs):
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(spec.grammar)
     return xgr.Grammar.from_structural_tag(spec.structural_tag)
+
+
+# xgrammar (0.2.9) writes a length-bounded string's characters as [^"\\\r\n], which admits
+# raw control characters; JSON requires them escaped (json.loads refuses them). Its other
+# strings exclude \0-\x1f already: the bounded ones are rewritten to match.
+_LAX_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_control_chars_escaped(grammar):
+    import xgrammar as xgr
+    text = str(grammar)
+    fixed = text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
+    if fixed == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(fixed)
+    except RuntimeError:  # a form the printer writes but the parser does not read: keep it
+        return grammar
 
 
 def xgrammar_message(exc: BaseException) -> str:

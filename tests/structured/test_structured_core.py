@@ -24,9 +24,10 @@ SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
     "count": {"type": "integer", "minimum": 0, "maximum": 99},
     "ok": {"type": "boolean"},
+    "note": {"type": "string", "maxLength": 6},
     "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
              "maxItems": 2}},
-    "required": ["color", "count", "ok", "tags"], "additionalProperties": False}
+    "required": ["color", "count", "ok", "note", "tags"], "additionalProperties": False}
 REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
 GRAMMAR = 'root ::= "(" num (" + " num)? ")"\nnum ::= [1-9] [0-9]?'
 
@@ -169,7 +170,7 @@ def test_a_matcher_rebuilt_from_token_history_masks_like_the_live_one(core):
     gate.compiler.submit(spec).result()
     compiled = gate.compiler.get(spec)
     tokenizer = core.detokenizer.tokenizer
-    answer = tokenizer.encode('{"color": "red", "count": 42, "ok": true, "tags": ["ab"]}')
+    answer = tokenizer.encode('{"color": "red", "count": 42, "ok": true, "note": "hi", "tags": ["ab"]}')
     live = GrammarBook(259)
     live.add("r", compiled)
     req = types.SimpleNamespace(request_id="r", seqs=[])
