@@ -34,7 +34,10 @@ def server(tiny_chat_dir):
 
 
 def _str(n=12, **kw):
-    return {"type": "string", "maxLength": n, **kw}
+    """A bounded string. The tiny model's tokens are single bytes, and a byte sequence that is
+    not UTF-8 passes the grammar's character classes (decoded as U+FFFD, lengths then differ):
+    free strings keep to ASCII with a pattern."""
+    return {"type": "string", "maxLength": n, "pattern": f"^[ -~]{{0,{n}}}$", **kw}
 
 
 # Varied shapes, each bounded so that a sampled output ends: nested objects, arrays, enums,
@@ -70,7 +73,7 @@ def chat(sdk, model, content, **kw):
 
 
 class Person(BaseModel):
-    name: str = Field(max_length=12)
+    name: str = Field(max_length=12, pattern="^[A-Za-z ]{0,12}$")
     age: int = Field(ge=0, le=120)
     role: Literal["admin", "user"]
 
