@@ -174,7 +174,7 @@ async def _replay(base: str, model: str, convs, max_tokens: int) -> dict[int, li
 def affinity(args, model: str) -> dict:
     convs = conversations(args.conversations, args.turns, args.max_turn_chars, seed=0)
     out = {"conversations": len(convs), "turns": args.turns}
-    for routing in ("affinity", "round-robin"):
+    for routing in args.policies.split(","):
         with Server(model, "--data-parallel-size", "2", "--routing", routing) as server:
             urls = server.engine_urls()
             hits0, queries0 = prefix_counts(urls)
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-turn-chars", type=int, default=600)
     ap.add_argument("--max-output-tokens-turn", type=int, default=8)
     ap.add_argument("--skip", choices=("scale-out", "affinity"), default=None)
+    ap.add_argument("--policies", default="affinity,round-robin",
+                    help="the routings compared, in this order (on a shared host, swap it)")
     bench_record.add_no_store_flag(ap)
     args = ap.parse_args(argv)
     from pagedserve.workers.loader import resolve_model
