@@ -1,6 +1,7 @@
 """SIGKILL a worker, the scheduler and the detokenizer mid-stream during 32 JSON-schema streams:
 every output is valid JSON of its schema and identical to the clean greedy run (the matchers
-are rebuilt from the token history the scheduler keeps, or the clients resubmit)."""
+are rebuilt from the token history the scheduler keeps, or the clients resubmit). The group
+serves the tiny random chat model (conftest.py), whose steps take milliseconds."""
 from __future__ import annotations
 
 import json
@@ -15,25 +16,31 @@ from tests.faults.conftest import Group, token_ids
 pytestmark = pytest.mark.slow
 
 SCHEMAS = [
-    {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24},
+    {"type": "object", "properties": {"topic": {"type": "string", "pattern": "^[a-z ]{40,60}$"},
                                       "rating": {"type": "integer", "minimum": 1, "maximum": 5},
                                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                "maxItems": 3}},
      "required": ["topic", "rating", "tags"]},
-    {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 40},
+    {"type": "object", "properties": {"summary": {"type": "string", "pattern": "^[a-z ,.]{40,80}$"},
                                       "positive": {"type": "boolean"}},
      "required": ["summary", "positive"]},
 ]
 
 
 def params(i: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=
+    return SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=
                           StructuredOutputs.from_json_schema(SCHEMAS[i % 2]))
 
 
 @pytest.fixture(scope="module")
-def group_and_reference(model_dir, prompt_ids):
-    group = Group(model_dir)
+def prompt_ids():
+    """32 prompts of the byte-level tokenizer (a token per byte)."""
+    return [list(f"Review number {i}: ".encode()) for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def group_and_reference(tiny_chat_dir, prompt_ids):
+    group = Group(tiny_chat_dir)
     futures = group.submit_all(prompt_ids, params)
     reference = token_ids(futures)
     for i, f in enumerate(futures):
