@@ -173,9 +173,10 @@ async def _replay(base: str, model: str, convs, max_tokens: int) -> dict[int, li
 
 def affinity(args, model: str) -> dict:
     convs = conversations(args.conversations, args.turns, args.max_turn_chars, seed=0)
-    out = {"conversations": len(convs), "turns": args.turns}
+    out = {"conversations": len(convs), "turns": args.turns, "router_args": args.router_args}
     for routing in args.policies.split(","):
-        with Server(model, "--data-parallel-size", "2", "--routing", routing) as server:
+        with Server(model, "--data-parallel-size", "2", "--routing", routing,
+                    *args.router_args.split()) as server:
             urls = server.engine_urls()
             hits0, queries0 = prefix_counts(urls)
             ttft = asyncio.run(_replay(server.base, model, convs, args.max_output_tokens_turn))
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-turn-chars", type=int, default=600)
     ap.add_argument("--max-output-tokens-turn", type=int, default=8)
     ap.add_argument("--skip", choices=("scale-out", "affinity"), default=None)
+    ap.add_argument("--router-args", default="",
+                    help="more router flags for the multi-turn runs, e.g. '--load-floor 512'")
     ap.add_argument("--policies", default="affinity,round-robin",
                     help="the routings compared, in this order (on a shared host, swap it)")
     bench_record.add_no_store_flag(ap)
