@@ -162,7 +162,7 @@ class SchedulerProcess:
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
-        gate = enable_structured_outputs(scheduler, self.cfg.model_info)
+        gate = enable_structured_outputs(scheduler, self.cfg.model_info, warm=True)
         self.service = SchedulerService(
             scheduler, instance=self.instance, grammar_gate=gate,
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,

@@ -1,7 +1,7 @@
 """Grammar compilation off the step loop: a thread pool, and a cache keyed by the spec's hash.
 
-The vocabulary's xgrammar `TokenizerInfo` is built once, lazily, in the pool (loading the
-tokenizer takes a second; an engine that never sees a structured request never pays it).
+The vocabulary's xgrammar `TokenizerInfo` is built once in the pool: `warm()` starts it when the
+scheduler starts (off its loop), else the first compile does.
 `submit` returns a future per spec; equal specs share it, so 64 requests with one schema
 compile once. A compile that runs past `timeout_s` is failed by `poll`, never left pending.
 """
@@ -37,6 +37,11 @@ class GrammarCompiler:
         self._compiler = None
         self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()
         self.compile_seconds: list[float] = []  # one per compile, for benchmarks
+
+    def warm(self) -> Future:
+        """Build the vocabulary's TokenizerInfo now, in the pool (seconds for a large
+        vocabulary), so the first structured request's time to first token does not pay it."""
+        return self._pool.submit(self._xgr_compiler)
 
     def submit(self, spec: StructuredOutputs, now: float | None = None) -> Future:
         """The (possibly finished) future of `spec`'s compiled grammar."""

@@ -6,10 +6,14 @@ from pagedserve.pipeline.structured.gate import GrammarGate
 from pagedserve.pipeline.structured.matchers import GrammarBook
 
 
-def enable_structured_outputs(scheduler, model_info, *, timeout_s: float = 30.0) -> GrammarGate:
+def enable_structured_outputs(scheduler, model_info, *, timeout_s: float = 30.0,
+                              warm: bool = False) -> GrammarGate:
     """Give `scheduler` its GrammarBook; returns the gate its service holds requests in.
-    Nothing heavy happens here: the compiler loads the vocabulary on its first grammar."""
+    `warm`: build the vocabulary's matcher tables now in a background thread (a serving
+    scheduler does; the in-process engine waits for its first grammar)."""
     compiler = GrammarCompiler(model_info.tokenizer_dir, model_info.vocab_size,
                                list(model_info.eos_token_ids), timeout_s=timeout_s)
+    if warm:
+        compiler.warm()
     scheduler.grammar_book = GrammarBook(model_info.vocab_size)
     return GrammarGate(compiler)
