@@ -90,7 +90,7 @@ def load_bound(loads: Mapping[str, int], cost: int, factor: float, floor: int) -
 
 
 def choose(ring: HashRing, key: bytes, loads: Mapping[str, int], cost: int, *,
-           factor: float = 1.25, floor: int = 4096) -> Choice:
+           factor: float = 1.25, floor: int = 512) -> Choice:
     """The key's owner when its load plus `cost` stays within the bound, else the least-loaded
     replica (ties by id). `loads` holds exactly the replicas that may take the request."""
     if not loads:

@@ -37,7 +37,7 @@ class RouterConfig:
     port: int = 8000
     routing: str = "affinity"
     load_factor: float = 1.25
-    load_floor: int = 4096
+    load_floor: int = 512
     block_size: int = 16
     affinity_blocks: int = 4
     stall_timeout: float = 60.0
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--routing", default="affinity", help="affinity | round-robin")
     p.add_argument("--load-factor", type=float, default=1.25)
-    p.add_argument("--load-floor", type=int, default=4096)
+    p.add_argument("--load-floor", type=int, default=512)
     p.add_argument("--affinity-blocks", type=int, default=4)
     p.add_argument("--stall-timeout", type=float, default=60.0)
     p.add_argument("--load-timeout", type=float, default=300.0)

@@ -27,7 +27,7 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class RoutingPolicy:
     load_factor: float = 1.25    # a replica may hold this many times the mean load
-    load_floor: int = 4096       # ... and never less than this many outstanding tokens
+    load_floor: int = 512        # ... and never less than this many outstanding tokens
     affinity: bool = True        # False: round robin (the benchmark's baseline)
 
 

@@ -61,7 +61,8 @@ def test_greedy_outputs_equal_one_engines_and_both_replicas_serve(router):
     per_replica = [metric(samples, "router_requests_total", replica=f"{router.model}/{i}")
                    for i in range(2)]
     assert sum(per_replica) == 32 and min(per_replica) > 0, per_replica
-    assert metric(samples, "router_affinity_hits_total") == 32
+    hits = metric(samples, "router_affinity_hits_total")
+    assert hits > 0 and hits + metric(samples, "router_spills_total") == 32
 
 
 def test_a_three_turn_chat_stays_on_its_replica_and_hits_its_prefix_cache(router):
