@@ -33,7 +33,7 @@ def router(model_dir):
 
 PROMPTS = ([f"Write one sentence about {t}." for t in TOPICS]
            + [f"Q: What do you know about {t}?\nA:" for t in TOPICS])  # 32, all different
-GREEDY = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 CLEAN_RUN: dict[str, str] = {}  # prompt -> the router's greedy text without faults
 
 
@@ -51,11 +51,11 @@ def test_greedy_outputs_equal_one_engines_and_both_replicas_serve(router):
         async with httpx.AsyncClient(timeout=300) as client:
             routed = await asyncio.gather(*(_complete(client, router.base, p) for p in prompts))
             direct = await asyncio.gather(*(_complete(client, replica0, p)
-                                            for p in prompts[::2]))  # half: the suite's time
+                                            for p in prompts[::4]))  # a quarter: suite time
             return routed, direct
 
     routed, direct = asyncio.run(run())
-    assert routed[::2] == direct
+    assert routed[::4] == direct
     CLEAN_RUN.update(zip(prompts, routed))
     samples = router.metrics()
     per_replica = [metric(samples, "router_requests_total", replica=f"{router.model}/{i}")
