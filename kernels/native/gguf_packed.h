@@ -233,20 +233,9 @@ static const packed_rows_fn *packed_rows_for(int qtype) {
     }
 }
 
-typedef struct {
-    int qtype;
-    const uint8_t *packed;
-    int64_t n, k, panel_bytes;
-    const int8_t *xq;
-    const float *xd;
-    const int16_t *xs;
-    int64_t m;
-    float *y;
-    int64_t ldy, panels_per_task, num_panels;
-} packed_job;
-
+/* linear_gguf.c's job over packed panels: w the packed bytes, w_stride a panel's bytes */
 static void packed_task(void *ctx, int64_t task) {
-    const packed_job *job = ctx;
+    const linear_job *job = ctx;
     const packed_rows_fn *rows_fn = packed_rows_for(job->qtype);
     const int64_t K = job->k, blocks = K / qtype_lookup(job->qtype)->block;
     float out[PACKED_ROWS][PACKED_COLS];
@@ -258,7 +247,7 @@ static void packed_task(void *ctx, int64_t task) {
         const int live = job->n - n0 < PACKED_COLS ? (int)(job->n - n0) : PACKED_COLS;
         for (int64_t t = 0; t < job->m; t += PACKED_ROWS) {
             const int64_t rows = job->m - t < PACKED_ROWS ? job->m - t : PACKED_ROWS;
-            rows_fn[rows - 1](job->packed + p * job->panel_bytes, K, job->xq + t * K,
+            rows_fn[rows - 1](job->w + p * job->w_stride, K, job->xq + t * K,
                               job->xd + t * blocks, job->xs + t * (K / 16), out);
             for (int64_t r = 0; r < rows; r++)
                 memcpy(job->y + (t + r) * job->ldy + n0, out[r], sizeof(float) * (size_t)live);

@@ -484,8 +484,8 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     float *xd;
     int16_t *xs;
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
-    packed_job job = {qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq, xd, xs, m, y,
-                      ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS};
+    linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
+                      xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0};
     job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
     if (job.panels_per_task < 1) job.panels_per_task = 1;
     pa_run_tasks(threads, packed_task, &job,
