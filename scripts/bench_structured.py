@@ -4,7 +4,8 @@ never-seen JSON schema, against the same requests unconstrained, on one launched
 Reports output tok/s of both runs and their ratio, TTFT p50/p99 of both and their ratio, and the
 grammar compile time distribution (the scheduler's GrammarCompiler). Each run is a fresh batch of
 streams started together; the schemas carry a per-run nonce in their property names, so no
-compiled grammar is reused. Prints one JSON object last; stored under benchmarks/results/
+compiled grammar is reused. Prefix caching is off: both runs send the same prompts, and the
+second would otherwise skip their prefill. Prints one JSON object last; stored under benchmarks/results/
 (scripts/bench_record.py) unless --no-store.
 
     python scripts/bench_structured.py --model SmolLM2-135M-Instruct --num-prompts 64
@@ -92,7 +93,7 @@ def launch(args) -> tuple[subprocess.Popen, str, str]:
     ipc = os.path.join(tempfile.mkdtemp(prefix="bench-structured-"), "ipc")
     cmd = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model", args.model,
            "--port", str(port), "--ipc-dir", ipc, "--max-num-seqs", str(max(64, args.num_prompts)),
-           "--die-with-parent", *args.engine_args]
+           "--die-with-parent", "--no-enable-prefix-caching", *args.engine_args]
     proc = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
