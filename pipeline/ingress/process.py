@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from contextlib import asynccontextmanager
 
@@ -19,22 +18,10 @@ import zmq
 
 from pagedserve import transport
 from pagedserve.lifecycle import start_role
+from pagedserve.pipeline.graceful_server import GracefulServer
 from pagedserve.pipeline import messages
 
 log = logging.getLogger("pagedserve.ingress")
-
-
-class _Server(uvicorn.Server):
-    def handle_exit(self, sig: int, frame) -> None:
-        # uvicorn's own handler re-raises the signal after its graceful shutdown, which would
-        # end the process with -SIGTERM; a requested drain that succeeded is a normal exit.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            if not self.should_exit:
-                log.info("stop requested (%s): draining in-flight requests",
-                         signal.Signals(sig).name)
-            self.should_exit = True
 
 
 def _notify_launcher(control_addr: str, msg) -> None:
@@ -68,7 +55,7 @@ async def heartbeats(control_addr: str) -> None:
         ctx.term()
 
 
-def build_server(cfg, faults=None) -> _Server:
+def build_server(cfg, faults=None) -> GracefulServer:
     from pagedserve.pipeline.client import AsyncEngineClient
     from pagedserve.pipeline.ingress.app import build_app
     from pagedserve.pipeline.ingress.context import IngressContext
@@ -99,10 +86,10 @@ def build_server(cfg, faults=None) -> _Server:
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, loop="uvloop",
                             access_log=False, log_level="warning", lifespan="on",
                             **uvicorn_settings())
-    return _Server(config)
+    return GracefulServer(config, log, "draining in-flight requests")
 
 
-async def serve(server: _Server, on_listening, control_addr: str | None = None) -> None:
+async def serve(server: GracefulServer, on_listening, control_addr: str | None = None) -> None:
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():

@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 
 from pagedserve.lifecycle import setup_logging
+from pagedserve.pipeline.graceful_server import GracefulServer
 from pagedserve.pipeline.router.app import build_router_app
 from pagedserve.pipeline.router.config import RouterConfig, config_from_argv
 from pagedserve.pipeline.router.core import RouterCore, RoutingPolicy
@@ -25,19 +26,6 @@ from pagedserve.pipeline.router.ratelimit import RateLimiter
 from pagedserve.pipeline.router.service import ProxySettings, RouterService
 
 log = logging.getLogger("pagedserve.router")
-
-
-class _Server(uvicorn.Server):
-    def handle_exit(self, sig: int, frame) -> None:
-        # uvicorn re-raises a captured signal after its graceful shutdown (the process would
-        # end by SIGTERM); a stop that stopped every group cleanly is a normal exit.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            if not self.should_exit:
-                log.info("stop requested (%s): stopping the engine groups",
-                         signal.Signals(sig).name)
-            self.should_exit = True
 
 
 async def _start(cfg: RouterConfig, pool: ReplicaPool, models: ModelManager) -> None:
@@ -122,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop",
+    server = GracefulServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop",
                                            access_log=False, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=30))
+                                           lifespan="on", timeout_graceful_shutdown=30),
+                            log, "stopping the engine groups")
     log.info("router pid starting on %s:%d", cfg.host, cfg.port)
     server.run()
     return 0 if server.started else 1
