@@ -45,6 +45,17 @@ def start_role(kind: str, description: str, argv: list[str] | None = None) -> Ro
                      FaultInjector(name, parse(config.env.fault), ns.incarnation))
 
 
+def remove_file(path: str, log: logging.Logger) -> None:
+    """Unlink `path` if it is there; another failure is logged, not raised (a clean-up goes on
+    with the rest)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
 def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
     logging.basicConfig(level=level, format=f"%(asctime)s [{role} pid=%(process)d] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)

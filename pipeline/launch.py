@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagedserve import cluster_net, envs, transport
-from pagedserve.lifecycle import setup_logging
+from pagedserve.lifecycle import remove_file, setup_logging
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, build_arg_parser,
                                         config_from_args)
@@ -310,7 +310,7 @@ class Supervisor:
             if c.proc is not None:
                 c.proc.wait()
         if self.local_rendezvous:  # a store file holds its keys: the new group needs a new one
-            self._remove(self.config.ipc.dist_init_addr.removeprefix("file://"))
+            remove_file(self.config.ipc.dist_init_addr.removeprefix("file://"), log)
             self.worker_starts += 1
             self.config.ipc.dist_init_addr = self.config.ipc.rendezvous(self.worker_starts)
         for c in workers:
@@ -362,26 +362,17 @@ class Supervisor:
         self.ctx.term()
         ipc = self.config.ipc
         for name in SOCKET_NAMES:
-            self._remove(ipc.socket_path(name))
+            remove_file(ipc.socket_path(name), log)
         if self.local_rendezvous:
             for start in range(self.worker_starts + 1):
-                self._remove(ipc.rendezvous(start).removeprefix("file://"))
+                remove_file(ipc.rendezvous(start).removeprefix("file://"), log)
         for segment in ipc.shm_segments(self.config.parallel.tensor_parallel_size):
-            self._remove(os.path.join("/dev/shm", segment))
+            remove_file(os.path.join("/dev/shm", segment), log)
         if ipc.owns_dir:
             try:
                 os.rmdir(ipc.ipc_dir)
             except OSError as exc:  # something not ours is in it: leave it
                 log.warning("left %s in place: %s", ipc.ipc_dir, exc)
-
-    @staticmethod
-    def _remove(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove %s: %s", path, exc)
 
 
 def resolve_model(config: EngineConfig) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedserve.lifecycle import remove_file
 from pagedserve.pipeline.config import IpcArgs
 
 log = logging.getLogger("pagedserve.router")
@@ -133,7 +134,7 @@ class LocalGroup:
             tag = IpcArgs(ipc_dir=ipc_dir).tag
             for name in _shm_names():
                 if name.startswith(tag):
-                    _unlink(os.path.join("/dev/shm", name))
+                    remove_file(os.path.join("/dev/shm", name), log)
             shutil.rmtree(parent, ignore_errors=True)
         self._dirs = [d for d in self._dirs if os.path.exists(d)]
 
@@ -143,15 +144,6 @@ def _shm_names() -> list[str]:
         return os.listdir("/dev/shm")
     except OSError:
         return []
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove %s: %s", path, exc)
 
 
 def _kill_processes_naming(ipc_dir: str) -> None:
