@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -43,6 +44,18 @@ def start_role(kind: str, description: str, argv: list[str] | None = None) -> Ro
     die_with_parent()
     return RoleStart(name, ns.rank, ns.incarnation, config, log,
                      FaultInjector(name, parse(config.env.fault), ns.incarnation))
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM a launched group's leader (if it still runs), wait up to `timeout` seconds, then
+    SIGKILL its whole process group (started with start_new_session); its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 def remove_file(path: str, log: logging.Logger) -> None:

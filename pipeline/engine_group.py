@@ -3,9 +3,7 @@ offline API, with the socket addresses its clients connect to."""
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,6 +11,7 @@ import time
 from typing import Any
 
 from pagedserve import envs
+from pagedserve.lifecycle import stop_process_group
 from pagedserve.pipeline.config import EngineConfig
 
 
@@ -54,12 +53,7 @@ class EngineGroup:
 
     def stop(self, timeout: float = 120.0) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            stop_process_group(self.proc, timeout)
         atexit.unregister(self.stop)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)  # ours: made in __init__
         return self.proc.returncode

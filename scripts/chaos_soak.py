@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from pagedserve.lifecycle import stop_process_group
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.client import EngineClient
 from pagedserve.pipeline.outputs import RequestError
@@ -112,13 +113,7 @@ class SoakGroup:
 
     def close(self) -> int:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(180)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+        return stop_process_group(self.proc, 180)
 
 
 def workload(tokenizer, num: int, rng: random.Random,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.lifecycle import stop_process_group
 from tests.faults.conftest import free_port
 
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05")
@@ -76,13 +76,7 @@ class Router:
 
     def close(self) -> int:
         self.launchers()  # remember their folders for leftovers()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(180)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+        return stop_process_group(self.proc, 180)
 
     def leftovers(self) -> list[str]:
         from pagedserve.pipeline.config import IpcArgs

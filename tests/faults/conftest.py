@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from pagedserve.lifecycle import stop_process_group
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.client import EngineClient
 from pagedserve.workers.loader import TEST_MODEL, resolve_model
@@ -152,13 +153,7 @@ class Group:
 
     def close(self) -> int:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+        return stop_process_group(self.proc, 120)
 
     def leftovers(self) -> list[str]:
         from pagedserve.pipeline.config import IpcArgs
