@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pagedserve.workers.config_cache import model_config_from_dict
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, TEST_MODEL, builtin_gguf  # noqa: F401
 from pagedserve.workers.gguf_files import check_gguf, convert_gguf, gguf_source
 from pagedserve.workers.load_error import ModelLoadError
@@ -43,9 +44,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json", model_dir, "config.json")
     try:
-        from transformers import AutoConfig
-        hf_config = AutoConfig.for_model(**raw) if raw.get("model_type") in ARCHITECTURES else raw
-        config = ModelConfig.from_hf(hf_config)
+        config = model_config_from_dict(raw, default_cache_dir())
     except ModelLoadError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
     except Exception as e:

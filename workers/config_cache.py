@@ -1,0 +1,62 @@
+"""ModelConfig from a config.json dict, with transformers' class defaults filled in, cached.
+
+transformers fills the fields a config.json leaves out from its config class (Llama's,
+Qwen2's, ...), but importing it costs seconds (it imports torch), and every engine start, the
+launcher's before any role starts, reads the config. So the result is kept in
+`<cache>/configs/`, keyed by the dict and the transformers version that filled it: a later
+start reads one small JSON file. A missing, unreadable or stale entry is computed again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from importlib import metadata
+from pathlib import Path
+
+from pagedserve.cache_files import write_text_atomic
+from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig
+
+log = logging.getLogger(__name__)
+
+_TUPLES = ("eos_token_ids", "layer_windows", "layer_rope_thetas", "layer_rope_scalings")
+
+
+def model_config_from_dict(raw: dict, cache_root: Path | None) -> ModelConfig:
+    """`raw`: config.json's object. Raises what ModelConfig.from_hf raises for a bad one."""
+    path = _entry(raw, cache_root) if cache_root is not None else None
+    if path is not None:
+        cached = _read(path)
+        if cached is not None:
+            return cached
+    from transformers import AutoConfig
+    hf_config = AutoConfig.for_model(**raw) if raw.get("model_type") in ARCHITECTURES else raw
+    config = ModelConfig.from_hf(hf_config)
+    if path is not None:
+        write_text_atomic(path, json.dumps(dataclasses.asdict(config)), log)
+    return config
+
+
+def _entry(raw: dict, cache_root: Path) -> Path:
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    text = json.dumps(raw, sort_keys=True, default=str)
+    key = hashlib.sha256(f"{version}\0{text}".encode()).hexdigest()[:32]
+    return Path(cache_root) / "configs" / f"{key}.json"
+
+
+def _read(path: Path) -> ModelConfig | None:
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        for name in _TUPLES:
+            fields[name] = tuple(fields[name])
+        return ModelConfig(**fields)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # stale layout or damaged: computed again and rewritten
+        log.info("ignoring the cached model config %s (%s: %s)", path, type(exc).__name__, exc)
+        return None
+
