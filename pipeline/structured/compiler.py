@@ -1,7 +1,8 @@
 """Grammar compilation off the step loop: a thread pool, and a cache keyed by the spec's hash.
 
-The vocabulary's xgrammar `TokenizerInfo` is built once in the pool: `warm()` starts it when the
-scheduler starts (off its loop), else the first compile does.
+The vocabulary's xgrammar `TokenizerInfo` is built once (read from the cache folder after the
+first start: structured/vocab_cache.py): `warm()` starts it in a daemon thread when the scheduler
+starts (off its loop, and never holding up the process's exit), else the first compile does.
 `submit` returns a future per spec; equal specs share it, so 64 requests with one schema
 compile once. A compile that runs past `timeout_s` is failed by `poll`, never left pending.
 """
@@ -13,6 +14,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from pagedserve.pipeline.structured.vocab_cache import tokenizer_info
 from pagedserve.pipeline.structured.spec import StructuredOutputs, parse_grammar, xgrammar_message
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,12 @@ class GrammarCompiler:
         self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()
         self.compile_seconds: list[float] = []  # one per compile, for benchmarks
 
-    def warm(self) -> Future:
-        """Build the vocabulary's TokenizerInfo now, in the pool (seconds for a large
-        vocabulary), so the first structured request's time to first token does not pay it."""
-        return self._pool.submit(self._xgr_compiler)
+    def warm(self) -> threading.Thread:
+        """Build the vocabulary's TokenizerInfo now, in a daemon thread, so the first structured
+        request's time to first token does not pay it (seconds on a first start)."""
+        thread = threading.Thread(target=self._xgr_compiler, name="grammar-warm", daemon=True)
+        thread.start()
+        return thread
 
     def submit(self, spec: StructuredOutputs, now: float | None = None) -> Future:
         """The (possibly finished) future of `spec`'s compiled grammar."""
@@ -84,11 +88,10 @@ class GrammarCompiler:
 
     def _build_compiler(self):
         import xgrammar as xgr
-        from pagedserve.pipeline.tokenizer import load_tokenizer
+        from pagedserve import envs
         started = time.perf_counter()
-        tokenizer = load_tokenizer(self.tokenizer_dir)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=self.eos_token_ids)
+        info = tokenizer_info(self.tokenizer_dir, self.vocab_size, self.eos_token_ids,
+                              envs.current().cache_root)
         log.info("grammar compiler ready for %d tokens in %.2fs", self.vocab_size,
                  time.perf_counter() - started)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from pagedserve.pipeline.messages import GrammarMasks
 
 log = logging.getLogger(__name__)
@@ -92,6 +90,7 @@ class GrammarBook:
         keep = [i for i, t in enumerate(tracked) if t is not None and not t.broken]
         if not keep:
             return None
+        import torch  # here, not at import: a scheduler that never sees a grammar never loads it
         bitmask = torch.full((len(keep), self.num_words), -1, dtype=torch.int32)
         ids = []
         for row, i in enumerate(keep):

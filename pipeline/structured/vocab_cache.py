@@ -1,0 +1,51 @@
+"""xgrammar's view of a vocabulary (`TokenizerInfo`), kept on disk between starts.
+
+Building it needs the transformers tokenizer (importing transformers costs seconds, and it
+imports torch) and a pass over every token; reading it back from its JSON takes a fraction of a
+second. Entries live in `<cache>/xgrammar/`, keyed by the tokenizer's files, the vocabulary size,
+the stop tokens and the xgrammar version; a missing or unreadable entry is built again.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from importlib import metadata
+from pathlib import Path
+
+from pagedserve.cache_files import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "added_tokens.json")
+
+
+def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int],
+                   cache_root: Path | None):
+    """The vocabulary's TokenizerInfo, from the cache when it holds one."""
+    import xgrammar as xgr
+    path = _entry(tokenizer_dir, vocab_size, stop_token_ids, cache_root) if cache_root else None
+    if path is not None and path.is_file():
+        try:
+            return xgr.TokenizerInfo.deserialize_json(path.read_text(encoding="utf-8"))
+        except Exception as exc:  # damaged or from another layout: built again below
+            log.info("ignoring the cached vocabulary %s (%s: %s)", path, type(exc).__name__, exc)
+    from pagedserve.pipeline.tokenizer import load_tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(tokenizer_dir), vocab_size=vocab_size,
+                                              stop_token_ids=stop_token_ids)
+    if path is not None:
+        write_text_atomic(path, info.serialize_json(), log)
+    return info
+
+
+def _entry(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int],
+           cache_root: Path) -> Path:
+    digest = hashlib.sha256()
+    digest.update(f"{metadata.version('xgrammar')}|{vocab_size}|{sorted(stop_token_ids)}".encode())
+    for name in TOKENIZER_FILES:
+        path = Path(tokenizer_dir) / name
+        if path.is_file():
+            digest.update(f"|{name}|".encode())
+            digest.update(path.read_bytes())
+    return Path(cache_root) / "xgrammar" / f"{digest.hexdigest()[:32]}.json"
+
