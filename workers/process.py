@@ -8,7 +8,6 @@ WorkerService (workers/service.py); rank 0 replies with each step's StepResult.
 from __future__ import annotations
 
 import os
-import sys
 
 import zmq
 
@@ -69,4 +68,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedserve.lifecycle import exit_role
+    exit_role(main())

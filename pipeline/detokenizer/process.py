@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 import zmq
@@ -104,4 +103,5 @@ def _receive(sock, dispatcher: transport.Dispatcher, *, routed: bool, limit: int
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedserve.lifecycle import exit_role
+    exit_role(main())

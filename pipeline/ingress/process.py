@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -138,4 +137,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedserve.lifecycle import exit_role
+    exit_role(main())

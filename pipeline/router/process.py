@@ -120,4 +120,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedserve.lifecycle import exit_role
+    exit_role(main())

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 
@@ -27,7 +26,7 @@ import zmq
 
 from pagedserve import cluster_auth, transport
 from pagedserve.faults import FaultInjector
-from pagedserve.lifecycle import start_role
+from pagedserve.lifecycle import SignalWakeup, start_role
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
@@ -192,6 +191,8 @@ class SchedulerProcess:
         poller = zmq.Poller()
         for sock in (self.frontend, self.workers, self.events):
             poller.register(sock, zmq.POLLIN)
+        wakeup = SignalWakeup()  # a SIGTERM ends the idle poll at once
+        poller.register(wakeup, zmq.POLLIN)
         service = self.service
         last_liveness = time.monotonic()
         while True:
@@ -205,6 +206,8 @@ class SchedulerProcess:
             timeout = 0 if busy else (int(RESET_RETRY_S * 1000) if not self.workers_ready
                                       else COMPILE_POLL_MS if service.compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
+            if wakeup in events:
+                wakeup.drain()
             if self.workers in events:
                 self._drain_workers()
             if self.frontend in events:
@@ -374,4 +377,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pagedserve.lifecycle import exit_role
+    exit_role(main())
