@@ -2,9 +2,12 @@
 grammar tables): written whole or not at all, and a failure to write costs only time."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 
 
@@ -28,3 +31,28 @@ def write_text_atomic(path: Path, text: str, log: logging.Logger) -> bool:
             except OSError:
                 pass
         return False
+
+
+# The files a tokenizer is made of: what keys anything derived from one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model")
+
+
+def cache_key(*parts: str, files: Iterable[Path] = ()) -> str:
+    """A short hash of `parts` and of the contents of those of `files` that exist."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    for path in files:
+        if path.is_file():
+            digest.update(f"{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def package_version(name: str) -> str:
+    """An installed distribution's version ("none" when it is not installed): what made a file."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"

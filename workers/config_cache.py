@@ -9,14 +9,14 @@ start reads one small JSON file. A missing, unreadable or stale entry is compute
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-from importlib import metadata
 from pathlib import Path
 
-from pagedserve.cache_files import write_text_atomic
+from pagedserve.workers.load_error import ModelLoadError
 from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig
+
+from pagedserve.cache_files import cache_key, package_version, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,7 @@ def model_config_from_dict(raw: dict, cache_root: Path | None) -> ModelConfig:
 
 
 def _entry(raw: dict, cache_root: Path) -> Path:
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        version = "none"
-    text = json.dumps(raw, sort_keys=True, default=str)
-    key = hashlib.sha256(f"{version}\0{text}".encode()).hexdigest()[:32]
+    key = cache_key(package_version("transformers"), json.dumps(raw, sort_keys=True, default=str))
     return Path(cache_root) / "configs" / f"{key}.json"
 
 
@@ -56,7 +51,7 @@ def _read(path: Path) -> ModelConfig | None:
         return ModelConfig(**fields)
     except FileNotFoundError:
         return None
-    except Exception as exc:  # stale layout or damaged: computed again and rewritten
+    except (OSError, ValueError, KeyError, TypeError, ModelLoadError) as exc:  # stale or damaged
         log.info("ignoring the cached model config %s (%s: %s)", path, type(exc).__name__, exc)
         return None
 

@@ -29,8 +29,8 @@ class _Stop(Exception):
 def main() -> int:
     role = start_role("detokenizer", "pagedserve detokenizer")
     cfg = role.config
-    from pagedserve.pipeline.tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir)
+    from pagedserve.pipeline.detokenizer.decoder import load_decoder
+    tokenizer = load_decoder(cfg.model_info.tokenizer_dir, cfg.env.cache_root)
 
     ctx = zmq.Context()
     inbox = transport.make_socket(ctx, zmq.PULL, cfg.ipc.detok_addr, bind=True)

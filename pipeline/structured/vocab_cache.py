@@ -7,18 +7,17 @@ the stop tokens and the xgrammar version; a missing or unreadable entry is built
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-from importlib import metadata
 from pathlib import Path
 
-from pagedserve.cache_files import write_text_atomic
+from pagedserve.cache_files import (
+    TOKENIZER_FILES,
+    cache_key,
+    package_version,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "added_tokens.json")
-
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int],
                    cache_root: Path | None):
@@ -28,7 +27,7 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int
     if path is not None and path.is_file():
         try:
             return xgr.TokenizerInfo.deserialize_json(path.read_text(encoding="utf-8"))
-        except Exception as exc:  # damaged or from another layout: built again below
+        except (OSError, ValueError, RuntimeError) as exc:  # damaged: built again below
             log.info("ignoring the cached vocabulary %s (%s: %s)", path, type(exc).__name__, exc)
     from pagedserve.pipeline.tokenizer import load_tokenizer
     info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(tokenizer_dir), vocab_size=vocab_size,
@@ -40,12 +39,6 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int
 
 def _entry(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int],
            cache_root: Path) -> Path:
-    digest = hashlib.sha256()
-    digest.update(f"{metadata.version('xgrammar')}|{vocab_size}|{sorted(stop_token_ids)}".encode())
-    for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir) / name
-        if path.is_file():
-            digest.update(f"|{name}|".encode())
-            digest.update(path.read_bytes())
-    return Path(cache_root) / "xgrammar" / f"{digest.hexdigest()[:32]}.json"
-
+    key = cache_key(package_version("xgrammar"), str(vocab_size), str(sorted(stop_token_ids)),
+                    files=(Path(tokenizer_dir) / name for name in TOKENIZER_FILES))
+    return Path(cache_root) / "xgrammar" / f"{key}.json"
