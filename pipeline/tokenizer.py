@@ -41,8 +41,7 @@ def load_tokenizer(model_dir: str | Path, *, chat_template: str | None = None):
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise ModelLoadError(f"{model_dir}: no tokenizer files (tokenizer.json or tokenizer.model)")
     try:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = _from_pretrained(model_dir)
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: the tokenizer could not be loaded "
                              f"({type(e).__name__}: {e})") from e
@@ -52,4 +51,30 @@ def load_tokenizer(model_dir: str | Path, *, chat_template: str | None = None):
         tokenizer.chat_template = chat_template
     if not tokenizer.chat_template:
         logger.info("%s: the tokenizer has no chat template", model_dir)
+    return tokenizer
+
+
+def _from_pretrained(model_dir: Path):
+    """AutoTokenizer's choice for this directory, remembered: AutoTokenizer reads the model's
+    config through transformers' config classes to pick the tokenizer class, which imports
+    torch (seconds of every start of the ingress); the class it picked, recorded in
+    `<cache>/tokenizer-classes/` by the directory's files, loads the same tokenizer directly."""
+    import json
+
+    import transformers
+
+    from pagedserve import envs
+    from pagedserve.cache_files import TOKENIZER_FILES, cache_key, package_version, write_text_atomic
+    key = cache_key(package_version("transformers"),
+                    files=(model_dir / name for name in (*TOKENIZER_FILES, "config.json")))
+    path = envs.current().cache_root / "tokenizer-classes" / f"{key}.json"
+    try:
+        cls = getattr(transformers, json.loads(path.read_text(encoding="utf-8"))["class"])
+        return cls.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not recorded yet (or damaged): ask AutoTokenizer and record its choice
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    name = type(tokenizer).__name__
+    if getattr(transformers, name, None) is type(tokenizer):
+        write_text_atomic(path, json.dumps({"class": name}), logger)
     return tokenizer
