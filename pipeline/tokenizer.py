@@ -64,7 +64,12 @@ def _from_pretrained(model_dir: Path):
     import transformers
 
     from pagedserve import envs
-    from pagedserve.cache_files import TOKENIZER_FILES, cache_key, package_version, write_text_atomic
+    from pagedserve.cache_files import (
+        TOKENIZER_FILES,
+        cache_key,
+        package_version,
+        write_text_atomic,
+    )
     key = cache_key(package_version("transformers"),
                     files=(model_dir / name for name in (*TOKENIZER_FILES, "config.json")))
     path = envs.current().cache_root / "tokenizer-classes" / f"{key}.json"

@@ -8,11 +8,11 @@ import sys
 import textwrap
 
 import pytest
-
-from pagedserve import envs
 from pagedserve.pipeline.detokenizer.incremental import special_token_ids
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.loader import resolve_model
+
+from pagedserve import envs
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
