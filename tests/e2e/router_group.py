@@ -91,6 +91,19 @@ class Router:
         return found
 
 
+def alive(procs: list[psutil.Process]) -> list[int]:
+    """The pids of `procs` still running; a zombie is not (an orphan's exit waits for init to
+    reap it: the resource trackers of a stopped group's scheduler and worker, say)."""
+    found = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def scrape(url: str) -> dict[tuple, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
