@@ -7,7 +7,9 @@ prefixes of what the whole response carries and assemble to it exactly. A field'
 scanned with string and nesting awareness, so an arguments object that contains "name" keys or
 braces inside strings is read correctly, and a partial one is known to be partial.
 
-Formats: `hermes` (Qwen2.5 / Qwen3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`),
+Formats: `hermes` (Qwen2.5 / Qwen3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`;
+without the tags, an answer that opens with a call object naming one of the request's tools,
+bare or in a ```json fence, as Qwen2.5-Coder writes its calls and llama.cpp's Hermes parser reads),
 `llama3_json` (Llama 3.x: `{"name", "parameters"}` objects, `;`-separated, maybe after
 `<|python_tag|>`), and `json_array`, the shape `tool_choice: required` constrains the output to
 (`[{"name", "arguments"}, ...]`).
@@ -156,9 +158,12 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_hermes(text: str, final: bool) -> Parsed:
+def parse_hermes(text: str, final: bool, names: frozenset[str] = frozenset()) -> Parsed:
     start = text.find("<tool_call>")
     if start < 0:
+        untagged = _untagged_calls(text, final, names)
+        if untagged is not None:
+            return untagged
         held = 0 if final else _held_prefix(text, "<tool_call>")
         return Parsed(text[:len(text) - held])
     calls, i = [], start
@@ -175,7 +180,59 @@ def parse_hermes(text: str, final: bool) -> Parsed:
     return Parsed(text[:start], calls)
 
 
-def parse_llama3_json(text: str, final: bool) -> Parsed:
+_FENCES = ("```json", "```")
+
+
+def _call_opening(text: str, i: int) -> tuple[int | None, bool]:
+    """Where the call object of an untagged block at text[i] starts ('{'), and whether the text
+    so far may still become one (a partial fence or `{"name"`)."""
+    for fence in _FENCES:
+        if text.startswith(fence, i):
+            i = _skip_ws(text, i + len(fence))
+            break
+        if fence.startswith(text[i:]):
+            return None, True
+    if i >= len(text):
+        return None, True
+    if text[i] != "{":
+        return None, False
+    key = _skip_ws(text, i + 1)
+    if text.startswith('"name"', key):
+        return i, True
+    return None, '"name"'.startswith(text[key:])
+
+
+def _untagged_calls(text: str, final: bool, names: frozenset[str]) -> Parsed | None:
+    """The calls of an answer that opens with an untagged call object (one after another, each
+    maybe fenced); None when the text is not one, or an empty Parsed while it may become one
+    (held back from content). A call counts once its name is complete and one of `names`, so
+    what a stream has sent as a call stays one."""
+    calls, i = [], _skip_ws(text, 0)
+    while i < len(text):
+        start = _call_opening(text, i)[0]
+        if start is None:
+            break
+        call, end = call_at(text, start)
+        if call.name is None or call.name not in names:
+            break
+        calls.append(call)
+        if end is None:
+            break
+        i = _skip_ws(text, end)
+        if text.startswith("```", i):
+            i = _skip_ws(text, i + 3)
+    if calls:
+        return Parsed("", calls)
+    if final or not names:
+        return None
+    i = _skip_ws(text, 0)
+    start, possible = _call_opening(text, i) if i < len(text) else (None, True)
+    if start is not None:  # `{"name"`: undecided until the name's string is complete
+        possible = call_at(text, start)[0].name is None
+    return Parsed("") if possible else None
+
+
+def parse_llama3_json(text: str, final: bool, names: frozenset[str] = frozenset()) -> Parsed:
     if not final and "<|python_tag|>".startswith(text.lstrip()):
         return Parsed("")  # the tag may be on its way
     body = text.removeprefix("<|python_tag|>")
@@ -190,7 +247,7 @@ def parse_llama3_json(text: str, final: bool) -> Parsed:
     return Parsed("", calls)
 
 
-def parse_json_array(text: str, final: bool) -> Parsed:
+def parse_json_array(text: str, final: bool, names: frozenset[str] = frozenset()) -> Parsed:
     i = _skip_ws(text, 0)
     if i < len(text) and text[i] == "[":
         return Parsed("", _objects(text, i + 1, ","))

@@ -33,9 +33,13 @@ class ToolPlan:
     function: str | None = None  # named: the function's name
     constraint: StructuredOutputs | None = None
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
     def parse(self, text: str, final: bool) -> Parsed:
         if self.mode == "auto":
-            return PARSERS[self.parser](text, final)
+            return PARSERS[self.parser](text, final, self.names)
         if self.mode == "required":
             return parse_json_array(text, final)
         if self.mode == "named":  # the whole output is the arguments object

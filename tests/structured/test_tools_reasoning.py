@@ -19,6 +19,13 @@ CASES = [
                      '{"city": "Paris {\\"x\\"}", "name": "n"}}\n</tool_call>\n<tool_call>\n'
                      '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'),
     ("hermes", None, "No tool needed: it is 4 < 5."),
+    # untagged, as Qwen2.5-Coder writes calls: fenced or bare, naming one of the tools
+    ("hermes", None, '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": '
+                     '"Paris"\n  }\n}\n```\n```json\n{"name": "add", "arguments": {"a": 1}}\n```'),
+    ("hermes", None, '{"name": "add", "arguments": {"a": 2, "b": 3}}'),
+    ("hermes", None, '```json\n{"name": "delete_all", "arguments": {}}\n```'),
+    ("hermes", None, '```python\nprint({"name": 1})\n```'),
+    ("hermes", None, '{"names": ["add"]} is the JSON you asked for.'),
     ("hermes", "deepseek_r1", "I should call <the> tool.</think>\n\n<tool_call>\n"
                               '{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'),
     ("llama3_json", None, '<|python_tag|>{"name": "add", "parameters": {"a": 5, "b": 6}}; '
@@ -66,7 +73,14 @@ def test_what_the_parsers_read():
     assert hermes["content"] == "Let me check.\n"
     assert [json.loads(c["function"]["arguments"]) for c in hermes["tool_calls"]] == [
         {"city": 'Paris {"x"}', "name": "n"}, {"a": 1, "b": 2}]
-    think = ChoiceShaper(None, "qwen3").message(CASES[5][2])
+    fenced = ChoiceShaper(plan_tools(TOOLS, "auto", None, "hermes"), None).message(CASES[2][2])
+    assert fenced["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in fenced["tool_calls"]] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    for text in (CASES[4][2], CASES[5][2], CASES[6][2]):  # not a call to one of the tools
+        plain = ChoiceShaper(plan_tools(TOOLS, "auto", None, "hermes"), None).message(text)
+        assert plain == {"role": "assistant", "content": text}
+    think = ChoiceShaper(None, "qwen3").message(CASES[10][2])
     assert (think["reasoning_content"], think["content"]) == ("\nthinking hard\n", "The answer is 42.")
     r1 = ChoiceShaper(None, "deepseek_r1").message("still thinking")
     assert (r1["reasoning_content"], r1["content"]) == ("still thinking", "")
