@@ -1,10 +1,14 @@
 """The openai SDK against a launched group of each new built-in model (issue #20): Qwen2.5-Coder's
-chat (streamed and not), n=2 with logprobs, stop strings, greedy equal to transformers; Gemma 3
-270M, a base model without a chat template: completions served, chat answered 400 naming the
-missing template."""
+chat (streamed and not), n=2 with logprobs, stop strings, greedy equal to transformers, and a
+tool call under tool_choice auto with --tool-call-parser hermes through the tool-result round
+trip (issue #22); Gemma 3 270M, a base model without a chat template: completions served, chat
+answered 400 naming the missing template."""
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -44,21 +48,69 @@ def check_completions(sdk, model: str, model_dir, prompt: str) -> None:
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_qwen_chat_streaming_n2_logprobs_stop():
-    name = "Qwen2.5-Coder-0.5B-Instruct"
-    group, sdk, model_dir = serve(name)
-    try:
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        answer = sdk.chat.completions.create(model=name, messages=messages)   # its defaults
-        assert answer.choices[0].finish_reason == "stop"
-        assert "Paris" in answer.choices[0].message.content
-        chunks = list(sdk.chat.completions.create(model=name, messages=messages, stream=True,
-                                                  temperature=0, max_tokens=24))
-        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert "Paris" in streamed
-        check_completions(sdk, name, model_dir, "def fibonacci(n):")
-    finally:
-        assert group.close() == 0
+QWEN = "Qwen2.5-Coder-0.5B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    group, sdk, model_dir = serve(QWEN, "--tool-call-parser", "hermes")
+    yield sdk, model_dir
+    assert group.close() == 0
+
+
+def test_qwen_chat_streaming_n2_logprobs_stop(qwen):
+    sdk, model_dir = qwen
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = sdk.chat.completions.create(model=QWEN, messages=messages)   # its defaults
+    assert answer.choices[0].finish_reason == "stop"
+    assert "Paris" in answer.choices[0].message.content
+    chunks = list(sdk.chat.completions.create(model=QWEN, messages=messages, stream=True,
+                                              temperature=0, max_tokens=24))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in streamed
+    check_completions(sdk, QWEN, model_dir, "def fibonacci(n):")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City name, e.g. Paris"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+
+
+def test_qwen_calls_a_tool_under_auto_and_renders_its_result(qwen):
+    """The model's own template renders the tool; Qwen2.5-Coder writes its call as a fenced JSON
+    object (not in <tool_call> tags), which the hermes parser reads as a call to a known tool.
+    The result goes back through the template as Qwen's <tool_response>; what the model says
+    then is not asserted: both Qwen2.5-Coder built-ins call the tool again (greedy and sampled)."""
+    sdk, model_dir = qwen
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What's the weather in Paris right now, in celsius?"}]
+    first = sdk.chat.completions.create(model=QWEN, messages=messages, tools=[WEATHER],
+                                        tool_choice="auto", temperature=0, max_tokens=80)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    assert arguments["city"] == "Paris"
+    result = json.dumps({"city": "Paris", "temperature": 17, "unit": "celsius"})
+    messages += [{"role": "assistant", "content": choice.message.content,
+                  "tool_calls": [call.model_dump(exclude_none=True)]},
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+    second = sdk.chat.completions.create(model=QWEN, messages=messages, tools=[WEATHER],
+                                         tool_choice="auto", temperature=0, max_tokens=4,
+                                         extra_body={"return_token_ids": True})
+    assert second.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    for m in messages:
+        if m.get("tool_calls"):  # templates take arguments as an object
+            m["tool_calls"][0]["function"]["arguments"] = arguments
+    expected = load_tokenizer(model_dir).apply_chat_template(
+        messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    prompt = load_tokenizer(model_dir).decode(second.model_extra["prompt_token_ids"])
+    assert prompt == expected and f"<tool_response>\n{result}\n</tool_response>" in prompt
 
 
 def test_gemma_base_model_serves_completions_and_refuses_chat():
