@@ -9,13 +9,15 @@ and a forked sample starts its own matcher from the same history. A token the gr
 constraint for that sequence, logged, rather than the step.
 
 `masks` packs one row per sampling sequence into a bitmask [rows, ceil(vocab / 32)] of int32
-(bit t of a row allows token t), the plan's GrammarMasks; the workers apply it in one op.
+(bit t of a row allows token t), the plan's GrammarMasks; the workers apply it in one op. Each
+row also goes through the Utf8Guard, so constrained output is always valid UTF-8.
 """
 from __future__ import annotations
 
 import logging
 
 from pagedserve.pipeline.messages import GrammarMasks
+from pagedserve.pipeline.structured.utf8_guard import Utf8Guard
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class GrammarBook:
         self.grammars: dict[str, object] = {}  # request id -> xgrammar CompiledGrammar
         self.thinking: dict[str, tuple[list[int], list[int]]] = {}  # (think_start, think_end)
         self.matchers: dict[int, _Tracked] = {}
+        self._utf8_guard: Utf8Guard | None = None  # built from the first grammar's vocabulary
 
     def add(self, request_id: str, compiled, spec=None) -> None:
         self.grammars[request_id] = compiled
@@ -93,10 +96,22 @@ class GrammarBook:
         import torch  # here, not at import: a scheduler that never sees a grammar never loads it
         bitmask = torch.full((len(keep), self.num_words), -1, dtype=torch.int32)
         ids = []
+        guard = self._guard()
         for row, i in enumerate(keep):
             tracked[i].matcher.fill_next_token_bitmask(bitmask, row)
+            if guard is not None:
+                t, seq = tracked[i], seqs[i]
+                answered = t.num_seen > t.start
+                guard.apply(bitmask[row], seq.token_ids[-1] if answered else None)
             ids.append(seqs[i].seq_id)
         return GrammarMasks(ids, self.num_words, bitmask.numpy().tobytes())
+
+    def _guard(self) -> Utf8Guard | None:
+        if self._utf8_guard is None:
+            info = next((getattr(g, "tokenizer_info", None) for g in self.grammars.values()), None)
+            if info is not None:  # xgrammar's; test doubles have none
+                self._utf8_guard = Utf8Guard(info.decoded_vocab, self.num_words)
+        return self._utf8_guard
 
     def _synced(self, seq) -> _Tracked | None:
         """The sequence's matcher, having accepted every output token of its answer; None
