@@ -1,18 +1,23 @@
 """The router in front of two local replicas of the test model (`--data-parallel-size 2`):
-greedy outputs equal one engine's, a chat's turns stay on one replica and hit its prefix cache,
-API keys and rate limits, and a replica group SIGKILLed under 32 streams loses nothing."""
+200 ShareGPT requests all complete with one engine's greedy outputs, a chat's turns stay on one
+replica and hit its prefix cache, API keys and rate limits, and a replica group SIGKILLed under
+32 streams loses nothing."""
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
 from tests.e2e.router_group import Router, metric, scrape
-from tests.faults.conftest import TOPICS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import sharegpt
 
 pytestmark = pytest.mark.slow
 
@@ -31,38 +36,50 @@ def router(model_dir):
     assert r.leftovers() == []
 
 
-PROMPTS = ([f"Write one sentence about {t}." for t in TOPICS]
-           + [f"Q: What do you know about {t}?\nA:" for t in TOPICS])  # 32, all different
-GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
-CLEAN_RUN: dict[str, str] = {}  # prompt -> the router's greedy text without faults
+# 8 prompt tokens + 8 generated fit one KV block each: the 200 run in two waves on one replica's
+# 136 blocks without preemption, in half the time that 16 prompt tokens take on this host
+NUM_SHAREGPT, PROMPT_TOKENS, NUM_STREAMS = 200, 8, 32
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+CLEAN_RUN: dict[str, str] = {}  # prompt -> the router's greedy text without faults, 32 of them
+
+
+@pytest.fixture(scope="module")
+def sharegpt_prompts(tokenizer) -> list[str]:
+    """The first human turns of the first 200 ShareGPT conversations, each cut to its first 8
+    tokens: real prompts at a cost the suite can pay."""
+    return [tokenizer.decode(tokenizer.encode(p, add_special_tokens=False)[:PROMPT_TOKENS])
+            for p, _ in sharegpt.first_turns(limit=NUM_SHAREGPT)]
 
 
 async def _complete(client, url, prompt):
     r = await client.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": prompt, **GREEDY})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice  # complete: all max_tokens generated
+    return choice["text"]
 
 
-def test_greedy_outputs_equal_one_engines_and_both_replicas_serve(router):
-    prompts = PROMPTS[:32]
+def test_200_sharegpt_requests_complete_as_one_engine_answers_and_both_replicas_serve(
+        router, sharegpt_prompts):
+    """All 200 at once through the router, then all 200 at once to replica 0 alone."""
+    prompts = sharegpt_prompts
     replica0 = router.replica_urls()[f"{router.model}/0"]
 
-    async def run():
-        async with httpx.AsyncClient(timeout=300) as client:
-            routed = await asyncio.gather(*(_complete(client, router.base, p) for p in prompts))
-            direct = await asyncio.gather(*(_complete(client, replica0, p)
-                                            for p in prompts[::4]))  # a quarter: suite time
-            return routed, direct
+    limits = httpx.Limits(max_connections=None)  # all 200 at once, not httpx's default 100
 
-    routed, direct = asyncio.run(run())
-    assert routed[::4] == direct
-    CLEAN_RUN.update(zip(prompts, routed))
+    async def run(url):
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(_complete(client, url, p) for p in prompts))
+
+    routed = asyncio.run(run(router.base))
+    assert routed == asyncio.run(run(replica0))
     samples = router.metrics()
+    CLEAN_RUN.update(list(dict(zip(prompts, routed)).items())[:NUM_STREAMS])
     per_replica = [metric(samples, "router_requests_total", replica=f"{router.model}/{i}")
                    for i in range(2)]
-    assert sum(per_replica) == 32 and min(per_replica) > 0, per_replica
+    assert sum(per_replica) == NUM_SHAREGPT and min(per_replica) > 0, per_replica
     hits = metric(samples, "router_affinity_hits_total")
-    assert hits > 0 and hits + metric(samples, "router_spills_total") == 32
+    assert hits > 0 and hits + metric(samples, "router_spills_total") == NUM_SHAREGPT
 
 
 def test_a_three_turn_chat_stays_on_its_replica_and_hits_its_prefix_cache(router):
@@ -137,7 +154,7 @@ def test_sigkill_of_a_replica_group_mid_stream_loses_nothing(router):
     """32 streams; once each has 2 chunks on average, the replica with the most tokens in
     flight is SIGKILLed whole: every stream completes as in the clean run."""
     if not CLEAN_RUN:
-        pytest.skip("needs the clean run of test_greedy_outputs_equal_one_engines...")
+        pytest.skip("needs the clean run of test_200_sharegpt_requests_complete...")
     prompts = list(CLEAN_RUN)
     retries = metric(router.metrics(), "router_retries_total")
 
