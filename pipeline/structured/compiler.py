@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedserve.pipeline.structured.vocab_cache import tokenizer_info
 from pagedserve.pipeline.structured.spec import StructuredOutputs, parse_grammar, xgrammar_message
+from pagedserve.pipeline.structured.utf8_guard import Utf8Guard
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class GrammarCompiler:
         self._compiler = None
         self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()
         self.compile_seconds: list[float] = []  # one per compile, for benchmarks
+        self.utf8_guard: Utf8Guard | None = None  # built with the vocabulary, off the step loop
 
     def warm(self) -> threading.Thread:
         """Build the vocabulary's TokenizerInfo now, in a daemon thread, so the first structured
@@ -92,6 +94,7 @@ class GrammarCompiler:
         started = time.perf_counter()
         info = tokenizer_info(self.tokenizer_dir, self.vocab_size, self.eos_token_ids,
                               envs.current().cache_root)
+        self.utf8_guard = Utf8Guard(info.decoded_vocab, (self.vocab_size + 31) // 32)
         log.info("grammar compiler ready for %d tokens in %.2fs", self.vocab_size,
                  time.perf_counter() - started)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

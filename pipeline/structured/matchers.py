@@ -15,6 +15,7 @@ row also goes through the Utf8Guard, so constrained output is always valid UTF-8
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pagedserve.pipeline.messages import GrammarMasks
 from pagedserve.pipeline.structured.utf8_guard import Utf8Guard
@@ -53,13 +54,17 @@ def answer_start(outputs: list[int], think_start: list[int], think_end: list[int
 class GrammarBook:
     """Matchers by sequence id, for the requests whose compiled grammar `add` registered."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, utf8_guard: Callable[[], Utf8Guard | None] | None = None
+                 ) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self.grammars: dict[str, object] = {}  # request id -> xgrammar CompiledGrammar
         self.thinking: dict[str, tuple[list[int], list[int]]] = {}  # (think_start, think_end)
         self.matchers: dict[int, _Tracked] = {}
-        self._utf8_guard: Utf8Guard | None = None  # built from the first grammar's vocabulary
+        # the compiler's (built with its vocabulary, off the step loop); else, here, from the
+        # first grammar's vocabulary
+        self._utf8_guard_source = utf8_guard
+        self._utf8_guard: Utf8Guard | None = None
 
     def add(self, request_id: str, compiled, spec=None) -> None:
         self.grammars[request_id] = compiled
@@ -107,6 +112,8 @@ class GrammarBook:
         return GrammarMasks(ids, self.num_words, bitmask.numpy().tobytes())
 
     def _guard(self) -> Utf8Guard | None:
+        if self._utf8_guard is None and self._utf8_guard_source is not None:
+            self._utf8_guard = self._utf8_guard_source()
         if self._utf8_guard is None:
             info = next((getattr(g, "tokenizer_info", None) for g in self.grammars.values()), None)
             if info is not None:  # xgrammar's; test doubles have none

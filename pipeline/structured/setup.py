@@ -15,5 +15,5 @@ def enable_structured_outputs(scheduler, model_info, *, timeout_s: float = 30.0,
                                list(model_info.eos_token_ids), timeout_s=timeout_s)
     if warm:
         compiler.warm()
-    scheduler.grammar_book = GrammarBook(model_info.vocab_size)
+    scheduler.grammar_book = GrammarBook(model_info.vocab_size, lambda: compiler.utf8_guard)
     return GrammarGate(compiler)
