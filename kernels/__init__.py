@@ -107,13 +107,27 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, window: int = 0) -> torch.Tensor:
+                           scale: float, window: int = 0,
+                           prepared: dict | None = None) -> torch.Tensor:
     """out[B, Hq, D]: each sequence's one query against its keys 0 .. context_lens[b] - 1; with a
-    sliding window > 0 only the last `window` of them (blocks before those are never read)."""
+    sliding window > 0 only the last `window` of them (blocks before those are never read).
+    `prepared`: a dict that lives as long as these block tables (a step's attention metadata):
+    the native kernel keeps there what every layer's call over them shares."""
     if use_triton(q):
         return _decode.paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
                                                      context_lens, scale, window)
-    return cpu_decode_kernel()(q, k_cache, v_cache, block_tables, context_lens, scale, window)
+    kernel = cpu_decode_kernel()
+    if prepared is not None and kernel is _decode_native:
+        key = (id(block_tables), id(context_lens), window)
+        entry = prepared.get(key)   # holds the tables themselves: their ids stay theirs
+        if entry is not None and entry[0] is block_tables and entry[1] is context_lens \
+                and entry[2].fits(q, k_cache, v_cache):
+            return entry[2](q, k_cache, v_cache, scale)
+        if _native_decode.supports(q, k_cache):
+            entry = prepared[key] = (block_tables, context_lens, _native_decode.DecodeCall(
+                q, k_cache, v_cache, block_tables, context_lens, window))
+            return entry[2](q, k_cache, v_cache, scale)
+    return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
