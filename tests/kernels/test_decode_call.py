@@ -1,5 +1,5 @@
 """A step's native decode attention prepared once (native_decode_attention.DecodeCall, kept in
-the step's AttentionMetadata.decode_calls) gives every layer the bits of the unprepared call."""
+the step's AttentionMetadata.prepared_calls) gives every layer the bits of the unprepared call."""
 from __future__ import annotations
 
 import pytest

@@ -122,3 +122,28 @@ def test_bad_input_raises_and_writes_nothing(rng):
     with pytest.raises(ValueError, match="v_cache"):
         native_rope_store.rope_store(qkv, cos, sin, cache[0], cache[1, :6], slots, 9, 3)
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_call_serves_every_layer_with_the_same_bits(rng, cache_dtype):
+    """The step's call prepared by the first layer (kept in `prepared`) gives each layer the bits
+    of an unprepared call; other slots or another qkv shape are prepared again."""
+    nq, nkv, d, tokens = 9, 3, 64, 7
+    _, cos, sin, slots, _ = _inputs(rng, tokens, nq, nkv, d, num_blocks=24)
+    prepared: dict = {}
+    for layer in range(3):
+        qkv, _, _, _, cache = _inputs(rng, tokens, nq, nkv, d, num_blocks=24,
+                                      cache_dtype=cache_dtype, row_pad=5)
+        plain = cache.clone()
+        q = native_rope_store.rope_store(qkv, cos, sin, cache[0], cache[1], slots, nq, nkv,
+                                         prepared=prepared)
+        want = native_rope_store.rope_store(qkv, cos, sin, plain[0], plain[1], slots, nq, nkv)
+        assert torch.equal(q, want) and torch.equal(cache, plain), layer
+    assert len(prepared) == 1
+    other = slots.clone()
+    native_rope_store.rope_store(qkv, cos, sin, cache[0], cache[1], other, nq, nkv,
+                                 prepared=prepared)
+    assert len(prepared) == 2
+    [call] = [entry[3] for entry in prepared.values() if entry[2] is slots]
+    with pytest.raises(ValueError, match="do not match the call's preparation"):
+        call(qkv[:, :-d], cache[0], cache[1])

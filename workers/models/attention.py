@@ -26,8 +26,10 @@ class AttentionMetadata:
     # so that the native decode kernel attends prefill rows too (see attend); None elsewhere.
     prefill_row_tables: torch.Tensor | None = None
     prefill_row_context_lens: torch.Tensor | None = None
-    # What every layer's native decode call over these tables shares, prepared by the first.
-    decode_calls: dict = field(default_factory=dict)
+    # What every layer's native calls over this step's tables, slots and RoPE rows share,
+    # worked out by the first layer's call (native_decode_attention.DecodeCall,
+    # native_rope_store.RopeStoreCall).
+    prepared_calls: dict = field(default_factory=dict)
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -52,7 +54,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     if num_decode:
         decode_out = kernels.paged_decode_attention(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale, window=window, prepared=meta.decode_calls)
+            meta.decode_context_lens, scale, window=window, prepared=meta.prepared_calls)
     if meta.num_prefill_seqs and meta.prefill_row_tables is not None \
             and kernels.native_decode_rows(q, k_cache):
         # A prefill row at position p is a decode query over keys 0..p of its sequence: one
@@ -61,7 +63,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         # about even (851 vs 866 ms), the kernel's arithmetic then matching SDPA's.
         prefill_out = kernels.paged_decode_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_row_tables,
-            meta.prefill_row_context_lens, scale, window=window, prepared=meta.decode_calls)
+            meta.prefill_row_context_lens, scale, window=window, prepared=meta.prepared_calls)
     elif meta.num_prefill_seqs:
         prefill_out = kernels.paged_prefill_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,

@@ -64,7 +64,7 @@ class DecoderAttention(nn.Module):
         if native_cpu_elementwise() and native_rope_store.supports(qkv, k_cache):
             # one native call rotates q and k and stores k and v (fp32/bf16 CPU, fp32/bf16 cache)
             q = native_rope_store.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                             nq, nkv)
+                                             nq, nkv, prepared=meta.prepared_calls)
             out = attend(q, k_cache, v_cache, meta, self.scale, window=self.window)
             return self.o_proj(out.reshape(t, nq * d))
         qkv = qkv.view(t, nq + 2 * nkv, d)
