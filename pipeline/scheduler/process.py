@@ -35,6 +35,7 @@ from pagedserve.pipeline.scheduler.service import SchedulerService
 log = logging.getLogger("pagedserve.scheduler")
 IDLE_POLL_MS = 1000
 COMPILE_POLL_MS = 2  # while a request waits for its grammar to compile
+WARM_AFTER_IDLE_S = 2.0  # idle time after which the grammar tables are built ahead of use
 RESET_RETRY_S = 0.5
 DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
 
@@ -49,6 +50,8 @@ class SchedulerProcess:
         self.max_model_len = cfg.max_model_len
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.step_timeout = cfg.scheduling.step_timeout
+        self.grammars_warmed = False  # see _warm_grammars_when_idle
+        self.busy_at = time.monotonic()
         trace = cfg.env.step_trace
         self.trace = open(trace, "a", encoding="utf-8") if trace else None
         self.last_schedule_ms = 0.0
@@ -161,7 +164,7 @@ class SchedulerProcess:
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
-        gate = enable_structured_outputs(scheduler, self.cfg.model_info, warm=True)
+        gate = enable_structured_outputs(scheduler, self.cfg.model_info)  # warmed when idle
         self.service = SchedulerService(
             scheduler, instance=self.instance, grammar_gate=gate,
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,
@@ -192,7 +195,7 @@ class SchedulerProcess:
         for sock in (self.frontend, self.workers, self.events):
             poller.register(sock, zmq.POLLIN)
         wakeup = SignalWakeup()  # a SIGTERM ends the idle poll at once
-        poller.register(wakeup, zmq.POLLIN)
+        poller.register(wakeup.fileno(), zmq.POLLIN)  # the poller reports it by this fd
         service = self.service
         last_liveness = time.monotonic()
         while True:
@@ -206,7 +209,7 @@ class SchedulerProcess:
             timeout = 0 if busy else (int(RESET_RETRY_S * 1000) if not self.workers_ready
                                       else COMPILE_POLL_MS if service.compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
-            if wakeup in events:
+            if wakeup.fileno() in events:
                 wakeup.drain()
             if self.workers in events:
                 self._drain_workers()
@@ -227,8 +230,22 @@ class SchedulerProcess:
                 service.abort_silent_clients()
                 transport.send(self.control, messages.Heartbeat("scheduler", os.getpid()))
                 last_liveness = now
+                self._warm_grammars_when_idle(now)
             if self.workers_ready and self.inflight is None and service.scheduler.has_unfinished():
                 self._start_step()
+
+    def _warm_grammars_when_idle(self, now: float) -> None:
+        """Build the vocabulary's grammar tables once nothing has run for WARM_AFTER_IDLE_S (a
+        structured request that comes first builds them itself, waiting in the queue). Built
+        beside running steps (importing xgrammar imports torch and transformers), they made the
+        first batch after a start ~4x slower: 16 requests 0.8 -> 3.5 s."""
+        if self.grammars_warmed or self.service.grammar_gate is None:
+            return
+        if self.inflight is not None or self.service.scheduler.has_unfinished():
+            self.busy_at = now
+        elif now - self.busy_at >= WARM_AFTER_IDLE_S:
+            self.service.grammar_gate.compiler.warm()
+            self.grammars_warmed = True
 
     def _start_step(self) -> None:
         scheduler = self.service.scheduler

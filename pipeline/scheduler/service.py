@@ -345,4 +345,5 @@ class SchedulerService:
             "grammar_compile_s": (list(self.grammar_gate.compiler.compile_seconds[-1000:])
                                   if self.grammar_gate is not None else []),
             "num_requests_compiling": len(self.grammar_gate.held) if self.grammar_gate else 0,
+            "grammar_tables_ready": bool(self.grammar_gate and self.grammar_gate.compiler.ready),
         }

@@ -49,6 +49,11 @@ class GrammarCompiler:
         thread.start()
         return thread
 
+    @property
+    def ready(self) -> bool:
+        """Whether the vocabulary's tables are built (by warm() or a first compile)."""
+        return self._compiler is not None
+
     def submit(self, spec: StructuredOutputs, now: float | None = None) -> Future:
         """The (possibly finished) future of `spec`'s compiled grammar."""
         key = spec.key()

@@ -6,14 +6,11 @@ from pagedserve.pipeline.structured.gate import GrammarGate
 from pagedserve.pipeline.structured.matchers import GrammarBook
 
 
-def enable_structured_outputs(scheduler, model_info, *, timeout_s: float = 30.0,
-                              warm: bool = False) -> GrammarGate:
-    """Give `scheduler` its GrammarBook; returns the gate its service holds requests in.
-    `warm`: build the vocabulary's matcher tables now in a background thread (a serving
-    scheduler does; the in-process engine waits for its first grammar)."""
+def enable_structured_outputs(scheduler, model_info, *, timeout_s: float = 30.0) -> GrammarGate:
+    """Give `scheduler` its GrammarBook; returns the gate its service holds requests in. The
+    vocabulary's matcher tables are built by the first grammar, or ahead of it by
+    `gate.compiler.warm()` (a serving scheduler calls it once idle)."""
     compiler = GrammarCompiler(model_info.tokenizer_dir, model_info.vocab_size,
                                list(model_info.eos_token_ids), timeout_s=timeout_s)
-    if warm:
-        compiler.warm()
     scheduler.grammar_book = GrammarBook(model_info.vocab_size, lambda: compiler.utf8_guard)
     return GrammarGate(compiler)
