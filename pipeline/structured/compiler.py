@@ -1,8 +1,8 @@
 """Grammar compilation off the step loop: a thread pool, and a cache keyed by the spec's hash.
 
 The vocabulary's xgrammar `TokenizerInfo` is built once (read from the cache folder after the
-first start: structured/vocab_cache.py): `warm()` starts it in a daemon thread when the scheduler
-starts (off its loop, and never holding up the process's exit), else the first compile does.
+first start: structured/vocab_cache.py): `warm()` builds it in a daemon thread (the serving
+scheduler calls it once idle; it never holds up the process's exit), else the first compile does.
 `submit` returns a future per spec; equal specs share it, so 64 requests with one schema
 compile once. A compile that runs past `timeout_s` is failed by `poll`, never left pending.
 """
