@@ -6,9 +6,12 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def write_text_atomic(path: Path, text: str, log: logging.Logger) -> bool:
@@ -31,6 +34,20 @@ def write_text_atomic(path: Path, text: str, log: logging.Logger) -> bool:
             except OSError:
                 pass
         return False
+
+
+def read_cached(path: Path, parse: Callable[[str], T], log: logging.Logger,
+                errors: tuple[type[Exception], ...] = (OSError, ValueError, KeyError, TypeError)
+                ) -> T | None:
+    """`parse` of the entry's text; None when there is no entry, or when reading or parsing it
+    raises one of `errors` (logged: the caller builds the content again and rewrites it)."""
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except errors as exc:
+        log.info("ignoring the cache entry %s (%s: %s)", path, type(exc).__name__, exc)
+        return None
 
 
 # The files a tokenizer is made of: what keys anything derived from one.

@@ -64,20 +64,17 @@ def _from_pretrained(model_dir: Path):
     import transformers
 
     from pagedserve import envs
-    from pagedserve.cache_files import (
-        TOKENIZER_FILES,
-        cache_key,
-        package_version,
-        write_text_atomic,
-    )
+    from pagedserve.cache_files import (TOKENIZER_FILES, cache_key, package_version,
+                                       read_cached, write_text_atomic)
     key = cache_key(package_version("transformers"),
                     files=(model_dir / name for name in (*TOKENIZER_FILES, "config.json")))
     path = envs.current().cache_root / "tokenizer-classes" / f"{key}.json"
-    try:
-        cls = getattr(transformers, json.loads(path.read_text(encoding="utf-8"))["class"])
-        return cls.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # not recorded yet (or damaged): ask AutoTokenizer and record its choice
+    recorded = read_cached(
+        path, lambda text: getattr(transformers, json.loads(text)["class"]).from_pretrained(
+            model_dir), logger, (OSError, ValueError, KeyError, TypeError, AttributeError))
+    if recorded is not None:
+        return recorded
+    # not recorded yet (or damaged): ask AutoTokenizer and record its choice
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     name = type(tokenizer).__name__
     if getattr(transformers, name, None) is type(tokenizer):

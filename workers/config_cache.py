@@ -13,10 +13,9 @@ import json
 import logging
 from pathlib import Path
 
+from pagedserve.cache_files import cache_key, package_version, read_cached, write_text_atomic
 from pagedserve.workers.load_error import ModelLoadError
 from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig
-
-from pagedserve.cache_files import cache_key, package_version, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,8 @@ def model_config_from_dict(raw: dict, cache_root: Path | None) -> ModelConfig:
     """`raw`: config.json's object. Raises what ModelConfig.from_hf raises for a bad one."""
     path = _entry(raw, cache_root) if cache_root is not None else None
     if path is not None:
-        cached = _read(path)
+        cached = read_cached(path, _parse, log, (OSError, ValueError, KeyError, TypeError,
+                                                 ModelLoadError))
         if cached is not None:
             return cached
     from transformers import AutoConfig
@@ -43,15 +43,8 @@ def _entry(raw: dict, cache_root: Path) -> Path:
     return Path(cache_root) / "configs" / f"{key}.json"
 
 
-def _read(path: Path) -> ModelConfig | None:
-    try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-        for name in _TUPLES:
-            fields[name] = tuple(fields[name])
-        return ModelConfig(**fields)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, ModelLoadError) as exc:  # stale or damaged
-        log.info("ignoring the cached model config %s (%s: %s)", path, type(exc).__name__, exc)
-        return None
-
+def _parse(text: str) -> ModelConfig:
+    fields = json.loads(text)
+    for name in _TUPLES:
+        fields[name] = tuple(fields[name])
+    return ModelConfig(**fields)

@@ -14,16 +14,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.cache_files import (TOKENIZER_FILES, cache_key, package_version, read_cached,
+                                   write_text_atomic)
 from pagedserve.pipeline.detokenizer.incremental import special_token_ids
 
-from pagedserve.cache_files import (
-    TOKENIZER_FILES,
-    cache_key,
-    package_version,
-    write_text_atomic,
-)
-
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class DecodeOnlyTokenizer:
@@ -42,11 +38,9 @@ def load_decoder(tokenizer_dir: str | Path, cache_root: Path | None):
     """A DecodeOnlyTokenizer from the cache, else the full tokenizer (caching its decoder)."""
     from pagedserve.pipeline.tokenizer import load_tokenizer
     path = _entry(Path(tokenizer_dir), cache_root) if cache_root is not None else None
-    if path is not None and path.is_file():
-        try:
-            return _read(path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # damaged: loaded whole again
-            log.info("ignoring the cached decoder %s (%s: %s)", path, type(exc).__name__, exc)
+    cached = read_cached(path, _parse, log) if path is not None else None
+    if cached is not None:
+        return cached
     tokenizer = load_tokenizer(tokenizer_dir)
     if path is not None and not tokenizer.clean_up_tokenization_spaces:
         entry = {"backend": tokenizer.backend_tokenizer.to_str(),
@@ -55,9 +49,9 @@ def load_decoder(tokenizer_dir: str | Path, cache_root: Path | None):
     return tokenizer
 
 
-def _read(path: Path) -> DecodeOnlyTokenizer:
+def _parse(text: str) -> DecodeOnlyTokenizer:
     from tokenizers import Tokenizer
-    entry = json.loads(path.read_text(encoding="utf-8"))
+    entry = json.loads(text)
     return DecodeOnlyTokenizer(Tokenizer.from_str(entry["backend"]),
                                [int(i) for i in entry["special_ids"]])
 

@@ -10,25 +10,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pagedserve.cache_files import (
-    TOKENIZER_FILES,
-    cache_key,
-    package_version,
-    write_text_atomic,
-)
+from pagedserve.cache_files import (TOKENIZER_FILES, cache_key, package_version, read_cached,
+                                   write_text_atomic)
 
 log = logging.getLogger(__name__)
+
 
 def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int],
                    cache_root: Path | None):
     """The vocabulary's TokenizerInfo, from the cache when it holds one."""
     import xgrammar as xgr
     path = _entry(tokenizer_dir, vocab_size, stop_token_ids, cache_root) if cache_root else None
-    if path is not None and path.is_file():
-        try:
-            return xgr.TokenizerInfo.deserialize_json(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RuntimeError) as exc:  # damaged: built again below
-            log.info("ignoring the cached vocabulary %s (%s: %s)", path, type(exc).__name__, exc)
+    cached = read_cached(path, xgr.TokenizerInfo.deserialize_json, log,
+                         (OSError, ValueError, RuntimeError)) if path is not None else None
+    if cached is not None:
+        return cached
     from pagedserve.pipeline.tokenizer import load_tokenizer
     info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(tokenizer_dir), vocab_size=vocab_size,
                                               stop_token_ids=stop_token_ids)
