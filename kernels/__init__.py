@@ -30,6 +30,7 @@ from . import native_decode_attention as _native_decode
 from . import paged_decode_attention as _decode
 from . import paged_prefill_attention as _prefill
 from . import store_kv as _store_kv
+from ._prepared import prepared_call
 from .swap_blocks import swap_blocks_ref
 
 BACKENDS = envs.KERNEL_BACKENDS
@@ -118,15 +119,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                      context_lens, scale, window)
     kernel = cpu_decode_kernel()
     if prepared is not None and kernel is _decode_native:
-        key = (id(block_tables), id(context_lens), window)
-        entry = prepared.get(key)   # holds the tables themselves: their ids stay theirs
-        if entry is not None and entry[0] is block_tables and entry[1] is context_lens \
-                and entry[2].fits(q, k_cache, v_cache):
-            return entry[2](q, k_cache, v_cache, scale)
-        if _native_decode.supports(q, k_cache):
-            entry = prepared[key] = (block_tables, context_lens, _native_decode.DecodeCall(
-                q, k_cache, v_cache, block_tables, context_lens, window))
-            return entry[2](q, k_cache, v_cache, scale)
+        call = prepared_call(
+            prepared, (block_tables, context_lens), ("decode", window), (q, k_cache, v_cache),
+            lambda: _native_decode.DecodeCall(q, k_cache, v_cache, block_tables, context_lens,
+                                              window) if _native_decode.supports(q, k_cache)
+            else None)
+        if call is not None:
+            return call(q, k_cache, v_cache, scale)
     return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window)
 
 

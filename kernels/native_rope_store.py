@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from ._prepared import prepared_call
 from ._checks import check_cache_pair, check_int_tensor
 
 FEATURE = "rope_store"
@@ -50,13 +51,12 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
     if prepared is None:
         return RopeStoreCall(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads,
                              num_kv_heads, threads)(qkv, k_cache, v_cache)
-    key = ("rope_store", id(cos), id(sin), id(slot_mapping), num_q_heads, num_kv_heads, threads)
-    entry = prepared.get(key)   # holds cos, sin and the slots themselves: their ids stay theirs
-    if entry is None or entry[0] is not cos or entry[1] is not sin or entry[2] is not slot_mapping \
-            or not entry[3].fits(qkv, k_cache, v_cache):
-        entry = prepared[key] = (cos, sin, slot_mapping, RopeStoreCall(
-            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, threads))
-    return entry[3](qkv, k_cache, v_cache)
+    call = prepared_call(
+        prepared, (cos, sin, slot_mapping), ("rope_store", num_q_heads, num_kv_heads, threads),
+        (qkv, k_cache, v_cache), lambda: RopeStoreCall(qkv, cos, sin, k_cache, v_cache,
+                                                       slot_mapping, num_q_heads, num_kv_heads,
+                                                       threads))
+    return call(qkv, k_cache, v_cache)
 
 
 class RopeStoreCall:
