@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from pagedserve.pipeline.ingress.errors import invalid
@@ -33,7 +34,7 @@ class ToolPlan:
     function: str | None = None  # named: the function's name
     constraint: StructuredOutputs | None = None
 
-    @property
+    @cached_property  # parse runs per streamed delta: the names are built once
     def names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools)
 
