@@ -120,3 +120,34 @@ def test_tools_on_a_template_without_tool_support_are_a_400():
         render_chat(make_tiny_tokenizer(), req, TOOLS)
     assert err.value.status == 400 and "does not render tools" in err.value.message
     assert render_chat(make_tiny_tokenizer(), req)  # without tools it renders
+
+
+def test_an_assistant_calls_arguments_reach_the_template_as_an_object():
+    """OpenAI clients send a call's arguments back as a JSON string; templates write `arguments |
+    tojson`, so they are parsed into an object first (as vLLM and llama.cpp do) and the call is
+    rendered once-encoded, exactly as transformers renders the same call given an object."""
+    import copy
+    from pathlib import Path
+
+    from pagedserve.pipeline.ingress.chat import render_chat
+    from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
+    from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
+    tok = copy.deepcopy(make_tiny_tokenizer())
+    tok.chat_template = Path(__file__).with_name("hermes_template.jinja").read_text()
+    args = '{\n  "city": "Paris"\n}'   # as Qwen2.5-Coder writes them
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temperature_c": 18}'}]
+    text = tok.decode(render_chat(tok, ChatCompletionRequest(messages=messages, tools=TOOLS), TOOLS))
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            in text) and '<tool_response>\n{"temperature_c": 18}\n</tool_response>' in text
+    messages[1] = {**messages[1], "content": "", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert text == tok.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                           add_generation_prompt=True)
+    messages[1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
+    with pytest.raises(APIError) as err:
+        render_chat(tok, ChatCompletionRequest(messages=messages, tools=TOOLS), TOOLS)
+    assert err.value.status == 400 and "arguments are not JSON" in err.value.message
