@@ -1,8 +1,8 @@
 """The openai SDK against a launched group of each new built-in model (issue #20): Qwen2.5-Coder's
-chat (streamed and not), n=2 with logprobs, stop strings, greedy equal to transformers, and a
-tool call under tool_choice auto with --tool-call-parser hermes through the tool-result round
-trip (issue #22); Gemma 3 270M, a base model without a chat template: completions served, chat
-answered 400 naming the missing template."""
+chat (streamed and not), n=2 with logprobs, stop strings, greedy equal to transformers, and tool
+calls under tool_choice auto with --tool-call-parser hermes through the tool-result round trip
+to a text answer (issue #22); Gemma 3 270M, a base model without a chat template: completions
+served, chat answered 400 naming the missing template."""
 from __future__ import annotations
 
 import json
@@ -82,8 +82,10 @@ WEATHER = {"type": "function", "function": {
 def test_qwen_calls_a_tool_under_auto_and_renders_its_result(qwen):
     """The model's own template renders the tool; Qwen2.5-Coder writes its call as a fenced JSON
     object (not in <tool_call> tags), which the hermes parser reads as a call to a known tool.
-    The result goes back through the template as Qwen's <tool_response>; what the model says
-    then is not asserted: both Qwen2.5-Coder built-ins call the tool again (greedy and sampled)."""
+    The result goes back through the template as Qwen's <tool_response>, rendered as transformers
+    renders it. What the model says then is not asserted: on this conversation both Qwen2.5-Coder
+    built-ins call the tool again (as llama.cpp's server does with the same GGUF); the next test
+    has one that they answer."""
     sdk, model_dir = qwen
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What's the weather in Paris right now, in celsius?"}]
@@ -111,6 +113,39 @@ def test_qwen_calls_a_tool_under_auto_and_renders_its_result(qwen):
         messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     prompt = load_tokenizer(model_dir).decode(second.model_extra["prompt_token_ids"])
     assert prompt == expected and f"<tool_response>\n{result}\n</tool_response>" in prompt
+
+
+POPULATION = {"type": "function", "function": {
+    "name": "get_population", "description": "Get the population of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def test_qwen_answers_from_a_tool_result(qwen):
+    """The whole round trip under tool_choice auto: the model calls the tool, the client sends
+    the call and its result back, and the model answers in text with the result's number. The
+    0.5B answers when the system prompt asks for the result to be reported in a sentence (with
+    "You are a helpful assistant." or a weather tool it calls the tool again)."""
+    sdk, _ = qwen
+    messages = [{"role": "system", "content": "Answer the user's questions. Use a tool when you "
+                                              "need data, and report its result in a short sentence."},
+                {"role": "user", "content": "What is the population of Munich?"}]
+    first = sdk.chat.completions.create(model=QWEN, messages=messages, tools=[POPULATION],
+                                        tool_choice="auto", temperature=0, max_tokens=60)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_population"
+    assert json.loads(call.function.arguments) == {"city": "Munich"}
+    messages += [{"role": "assistant", "content": choice.message.content,
+                  "tool_calls": [call.model_dump(exclude_none=True)]},
+                 {"role": "tool", "tool_call_id": call.id,
+                  "content": json.dumps({"city": "Munich", "population": 1512491})}]
+    second = sdk.chat.completions.create(model=QWEN, messages=messages, tools=[POPULATION],
+                                         tool_choice="auto", temperature=0, max_tokens=60)
+    answer = second.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls, answer.message
+    assert "1512491" in answer.message.content.replace(",", ""), answer.message.content
 
 
 def test_gemma_base_model_serves_completions_and_refuses_chat():
