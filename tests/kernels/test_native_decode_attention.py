@@ -159,3 +159,19 @@ def test_fp16_falls_back_to_the_torch_path(rng):
 def test_the_variant_builds_its_vector_body(native_variant):
     # 16 lanes: AVX-512, 8: AVX2 + FMA + F16C, 0: portable; native: what this CPU has
     assert native_decode_attention.vector_lanes() == expected_vector_lanes(native_variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_batch(rng, dtype):
+    # batch invariance: a sequence alone, among others of any length, or repeated as the rows of
+    # a multi-token step gives the same bits (greedy speculative decoding relies on it)
+    context_lens = [1100, 300, 7, 64, 65, 513, 129]
+    q, k_cache, v_cache, tables, lens, scale = _inputs(rng, context_lens, 9, 3, 16, 64, dtype)
+    together = paged_decode_attention_native(q, k_cache, v_cache, tables, lens, scale)
+    for row in range(len(context_lens)):
+        alone = paged_decode_attention_native(q[row:row + 1], k_cache, v_cache,
+                                              tables[row:row + 1], lens[row:row + 1], scale)
+        assert torch.equal(alone, together[row:row + 1]), row
+        repeated = paged_decode_attention_native(q[[row] * 5], k_cache, v_cache,
+                                                 tables[[row] * 5], lens[[row] * 5], scale)
+        assert all(torch.equal(repeated[i], alone[0]) for i in range(5)), row
