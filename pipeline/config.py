@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve import envs
 from pagedserve.envs import Environment
+from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf", "awq", "gptq")
 
@@ -162,8 +163,11 @@ class SchedulingArgs:
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
     step_timeout: float = 120.0  # a step running longer means a hung worker group
+    # --speculative-config as a dict (pipeline/scheduler/speculative.py); None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config)  # refused here, before any process
         if self.step_timeout <= 0:
             raise ValueError(f"--step-timeout must be positive seconds, got {self.step_timeout}")
         if self.preemption_mode not in ("swap", "recompute", "auto"):
@@ -366,6 +370,16 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: 
                         default=default, help=help)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving")
     d = EngineConfig()
@@ -416,6 +430,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _bool_flag(p, "enable-chunked-prefill", True, "split long prompts into chunks")
     p.add_argument("--preemption-mode", default="auto", choices=["swap", "recompute", "auto"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+                        '"prompt_lookup_min": 2}; optional "disable_by_batch_size"')
     p.add_argument("--step-timeout", type=float, default=d.scheduling.step_timeout,
                    help="seconds a step may take before the worker group counts as hung")
     p.add_argument("--max-restarts", type=int, default=d.supervisor.max_restarts,

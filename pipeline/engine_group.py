@@ -3,6 +3,7 @@ offline API, with the socket addresses its clients connect to."""
 from __future__ import annotations
 
 import atexit
+import json
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--cpu-threads", str(p.cpu_threads)]
     if p.enforce_eager:
         argv.append("--enforce-eager")
+    if s.speculative_config:
+        argv += ["--speculative-config", json.dumps(s.speculative_config)]
     argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
     return argv

@@ -40,13 +40,18 @@ class NewSeq(msgspec.Struct, gc=False):
     table_row: int = -1  # its row in StepPlan.shared_tables, stable until it is freed; -1: none
 
 
-class ScheduledSeq(msgspec.Struct, gc=False):
-    """What one sequence computes this step: tokens [num_computed, num_computed + num_tokens)."""
+class ScheduledSeq(msgspec.Struct, gc=False, omit_defaults=True):
+    """What one sequence computes this step: tokens [num_computed, num_computed + num_tokens),
+    then its draft tokens, if any (n-gram speculation): rank 0 samples after the last token and
+    after each draft, and returns in StepResult.num_accepted how many drafts it accepted."""
 
     seq_id: int
     num_tokens: int
     new_block_ids: list[int]  # appended to its block table before computing
     new_token_ids: list[int]  # ids the workers have not seen yet (the last sampled token)
+    draft_token_ids: list[int] = []
+    # Of new_token_ids, the first num_skipped are drafts accepted last step: already computed.
+    num_skipped: int = 0
 
 
 class Fork(msgspec.Struct, gc=False):
@@ -114,10 +119,11 @@ class StepPlan(msgspec.Struct, gc=False):
     @property
     def num_tokens(self) -> int:
         """Tokens computed this step."""
-        return len(self.decode_seq_ids) + sum(s.num_tokens for s in self.scheduled)
+        return len(self.decode_seq_ids) + sum(s.num_tokens + len(s.draft_token_ids)
+                                              for s in self.scheduled)
 
 
-class StepResult(msgspec.Struct, gc=False):
+class StepResult(msgspec.Struct, gc=False, omit_defaults=True):
     """One row per sequence that sampled this step (including fork children)."""
 
     step_id: int
@@ -125,6 +131,9 @@ class StepResult(msgspec.Struct, gc=False):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    # Per row, the drafts accepted before its token (the sample's new tokens are those drafts
+    # and the token); empty when no row had drafts.
+    num_accepted: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------

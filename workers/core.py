@@ -19,6 +19,7 @@ from pagedserve.workers.kv_cache import allocate_swap_pool
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.sampler import Sampler
 from pagedserve.workers.sampling.grammar_mask import apply_grammar_masks
+from pagedserve.workers.sampling.speculative import verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class WorkerCore:
         for scheduled in plan.scheduled:
             seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_tokens
 
-        rows = {seq_id: row for row, seq_id in enumerate(sampled_ids)}
+        drafts = {s.seq_id: s.draft_token_ids for s in plan.scheduled if s.draft_token_ids}
+        rows = _first_rows(sampled_ids, drafts)
         row_ids = list(sampled_ids)
         for fork in plan.forks:
             parent = self._state(fork.parent_id, "fork")
@@ -108,6 +110,8 @@ class WorkerCore:
                     rows[child_id] = rows[fork.parent_id]
         if self.sampler is None:
             return None
+        if drafts:
+            return self._verify(plan, logits, row_ids, rows, drafts)
         return self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
 
     def _register(self, new: NewSeq) -> None:
@@ -151,13 +155,20 @@ class WorkerCore:
             state = self._state(scheduled.seq_id, "scheduled")
             state.block_ids.extend(scheduled.new_block_ids)
             state.token_ids.extend(scheduled.new_token_ids)
+            state.num_computed_tokens += scheduled.num_skipped  # drafts accepted last step
             start, end = state.num_computed_tokens, state.num_computed_tokens + scheduled.num_tokens
-            if end > len(state.token_ids):
+            if end > len(state.token_ids) or scheduled.num_skipped > len(scheduled.new_token_ids):
                 raise ValueError(f"seq {scheduled.seq_id}: asked to compute tokens [{start}, {end}) "
-                                 f"but only {len(state.token_ids)} are known")
+                                 f"but only {len(state.token_ids)} are known (skipping "
+                                 f"{scheduled.num_skipped} accepted drafts)")
             sample = end == len(state.token_ids)
+            drafts = scheduled.draft_token_ids
+            if drafts and not sample:
+                raise ValueError(f"seq {scheduled.seq_id}: drafts after a step that does not "
+                                 f"reach the end of its tokens")
             row = state.table_row if shared else -1
-            items.append(SeqStep(state.token_ids[start:end], start, state.block_ids, sample, row))
+            computed = state.token_ids[start:end] + drafts if drafts else state.token_ids[start:end]
+            items.append(SeqStep(computed, start, state.block_ids, sample, row, len(drafts)))
             if sample:
                 sampled_ids.append(scheduled.seq_id)
         return items, sampled_ids
@@ -176,12 +187,51 @@ class WorkerCore:
                            [s.num_prompt_tokens for s in states])
         return StepResult(step_id, seq_ids, out.token_ids, out.logprobs, out.top_logprobs)
 
+    def _verify(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
+                rows: dict[int, int], drafts: dict[int, list[int]]) -> StepResult:
+        """A step with drafts: the other rows sample as usual; each sequence with drafts has
+        its drafts verified against its rows (workers/sampling/speculative.py) and returns
+        the number accepted and the token sampled after them."""
+        plain = [s for s in seq_ids if s not in drafts]
+        spec = [s for s in seq_ids if s in drafts]
+        result = self._sample(plan, logits, plain, [rows[s] for s in plain])
+        index = torch.tensor([rows[s] + j for s in spec for j in range(len(drafts[s]) + 1)],
+                             device=logits.device)
+        states = [self.seqs[s] for s in spec]
+        verified = verify_drafts(logits[index], [drafts[s] for s in spec],
+                                 [st.sampling.with_defaults() for st in states],
+                                 [len(st.token_ids) for st in states], self.sampler.generator)
+        tokens = dict(zip(plain, result.token_ids))
+        accepted = dict.fromkeys(plain, 0)
+        for seq_id, (num, token) in zip(spec, verified):
+            tokens[seq_id], accepted[seq_id] = token, num
+        out = StepResult(plan.step_id, seq_ids, [tokens[s] for s in seq_ids], None, None,
+                         [accepted[s] for s in seq_ids])
+        if result.logprobs is not None:  # rows with drafts never ask for logprobs
+            lps = dict(zip(plain, result.logprobs))
+            out.logprobs = [lps.get(s, float("nan")) for s in seq_ids]
+        if result.top_logprobs is not None:
+            tops = dict(zip(plain, result.top_logprobs))
+            out.top_logprobs = [tops.get(s, []) for s in seq_ids]
+        return out
+
     def _state(self, seq_id: int, what: str) -> SeqState:
         try:
             return self.seqs[seq_id]
         except KeyError:
             raise ValueError(f"{what} sequence {seq_id} is unknown to this worker "
                              "(never sent as NewSeq, or already finished)") from None
+
+
+def _first_rows(sampled_ids: list[int], drafts: dict[int, list[int]]) -> dict[int, int]:
+    """Each sampling sequence's first logits row: one row each, 1 + its drafts with drafts."""
+    if not drafts:
+        return {seq_id: row for row, seq_id in enumerate(sampled_ids)}
+    rows, row = {}, 0
+    for seq_id in sampled_ids:
+        rows[seq_id] = row
+        row += 1 + len(drafts.get(seq_id, ()))
+    return rows
 
 
 def _mapping(pairs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:

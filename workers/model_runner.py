@@ -45,6 +45,7 @@ class SeqStep:
     block_table: list[int]     # covers at least start_pos + len(token_ids) slots
     sample: bool               # whether its last row's logits are wanted
     table_row: int = -1        # >= 0: take the block table from this row of shared_tables
+    num_drafts: int = 0        # the last tokens are drafts: their rows' logits are wanted too
 
 
 @dataclass(slots=True)
@@ -188,6 +189,9 @@ class ModelRunner:
         inverse[order] = np.arange(n)
         sample_mask = np.fromiter((it.sample for it in items), bool, n)
         sample_rows = (cu[inverse + 1] - 1)[sample_mask]
+        if any(it.num_drafts for it in items):  # speculation: the drafts' rows too, in order
+            counts = np.fromiter((it.num_drafts + 1 for it in items), np.int64, n)[sample_mask]
+            sample_rows = np.repeat(sample_rows - counts + 1, counts) + _ramps(counts)
         return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
                            sample_rows, seq_of_row)
 
@@ -232,6 +236,12 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _ramps(counts: np.ndarray) -> np.ndarray:
+    """0, 1, .., c - 1 for each count c, concatenated."""
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum())) - starts
 
 
 def _pad_block_tables(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 POLICIES = ("fcfs", "priority")
 
@@ -38,6 +40,8 @@ class SchedulerConfig:
     # (Mistral): blocks that slid out of it are released while a sequence runs, and a request
     # needs room for its window, not its length. 0: no window (or some global layers).
     sliding_window: int = 0
+    # N-gram speculative decoding (scheduler/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -80,4 +84,5 @@ class SchedulerConfig:
                    max_queued_requests=s.max_queued_requests, preemption_mode=s.preemption_mode,
                    policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None,
                    report_finished=True, sliding_window=cfg.model_info.sliding_window,
-                   generation_defaults=dict(cfg.model_info.generation_defaults))
+                   generation_defaults=dict(cfg.model_info.generation_defaults),
+                   speculative=SpeculativeConfig.parse(s.speculative_config))

@@ -28,7 +28,7 @@ class PlanBuilder:
 
     __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
                  "forks", "lanes", "lane_ids", "lane_tokens", "lane_blocks", "lane_fills", "seqs",
-                 "fork_children", "num_finished")
+                 "fork_children", "num_finished", "verified")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -49,16 +49,19 @@ class PlanBuilder:
         self.seqs: list[Sequence] = []
         self.fork_children: list[Sequence] = []
         self.num_finished = 0  # planned sequences finished (aborted, stopped) while in flight
+        self.verified: list[tuple[int, int]] = []  # (drafts, accepted) per speculating sequence
 
-    def add_full(self, seq: Sequence, new: NewSeq, num_tokens: int) -> None:
-        """`seq` computes `num_tokens` from state sent in full."""
+    def add_full(self, seq: Sequence, new: NewSeq, num_tokens: int,
+                 drafts: list[int] = NO_BLOCKS) -> None:
+        """`seq` computes `num_tokens` (and `drafts`) from state sent in full."""
         self.new_seqs.append(new)
-        self.add_scheduled(seq, ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, []))
+        self.add_scheduled(seq, ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, [], drafts)
+                           if drafts else ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, []))
 
     def add_scheduled(self, seq: Sequence, entry: ScheduledSeq) -> None:
         self.scheduled.append(entry)
         self.seqs.append(seq)
-        self.budget -= entry.num_tokens
+        self.budget -= entry.num_tokens + len(entry.draft_token_ids)
 
     def add_lane_blocks(self, blocks: list[int]) -> None:
         """Blocks the lane about to be added appends before it computes."""

@@ -22,6 +22,7 @@ from pagedserve.pipeline.scheduler.plan import PlanBuilder, ResultRows
 from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus, StepOutputs
 
 RUNNING = SequenceStatus.RUNNING
+NO_DRAFTS: list[int] = []
 _TOKEN_IDS = attrgetter("token_ids")
 _FIRST = itemgetter(0)
 
@@ -45,9 +46,9 @@ def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching:
                        stop_id_union)
     else:  # logprobs to pass on, rows out of order, or lanes finished meanwhile
         _advance_each(lanes, rows, 0, True, plain, out, pending, block_size,
-                      fills if caching else None)
+                      fills if caching else None, b.verified)
     _advance_each(b.seqs, rows, len(lanes), False, plain, out, pending, block_size,
-                  fills if caching else None)
+                  fills if caching else None, b.verified)
     for seq in b.fork_children:
         if seq.status is RUNNING:
             row = rows.find(seq.seq_id)
@@ -89,9 +90,11 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
 
 def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: bool,
                   plain: bool, out: StepOutputs, pending: list[Sampled], block_size: int,
-                  fills: list | None) -> None:
+                  fills: list | None, verified: list[tuple[int, int]]) -> None:
     """Planned sequences in plan order, from result row `cursor` on. `counted`: the lanes,
-    whose one token was counted as computed when they were planned."""
+    whose one token was counted as computed when they were planned. A sequence that had
+    drafts gains those rank 0 accepted before its sampled token (spec_skip of them), always
+    passed on to the scheduler; (drafts, accepted) go to `verified`."""
     result = rows.result
     # Rows come in plan order: a cursor finds them, the index only what is out of order. The
     # sentinel ends the rows without a bounds check per sequence.
@@ -107,6 +110,20 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
             step = seq.step_tokens
             new = seq.num_computed_tokens = seq.num_computed_tokens + step
         tokens = seq.token_ids
+        drafts = seq.drafts
+        if drafts:  # the drafts rank 0 accepted were computed too (never a lane's)
+            seq.drafts = NO_DRAFTS
+            if seq_ids[cursor] != seq.seq_id:
+                cursor = rows.find(seq.seq_id)
+            accepted = seq.spec_skip = _num_accepted(result, cursor, drafts)
+            if accepted:
+                tokens += drafts[:accepted]
+                step += accepted
+                new = seq.num_computed_tokens = new + accepted
+            verified.append((len(drafts), accepted))
+            req = seq.request
+            req.num_drafted += len(drafts)
+            req.num_accepted += accepted
         if fills is not None and new % block_size < step:  # a block filled up: make it findable
             held = seq.num_kv_tokens
             if new > held:  # report the slots held lazily too
@@ -120,7 +137,7 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
         cursor += 1
         tokens.append(token)
         req = seq.request
-        if (plain and token not in req.stop_ids
+        if (plain and not seq.spec_skip and token not in req.stop_ids
                 and new - seq.num_prompt_tokens + 1 < req.max_output_tokens):
             plain_seqs.append(seq)
             plain_tokens.append(token)
@@ -129,3 +146,14 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
     if plain_seqs:
         out.seqs = out.seqs + plain_seqs
         out.token_ids = out.token_ids + plain_tokens
+
+
+def _num_accepted(result: StepResult, row: int, drafts: list[int]) -> int:
+    """How many of a sequence's drafts rank 0 accepted (StepResult.num_accepted)."""
+    counts = result.num_accepted
+    accepted = counts[row] if row < len(counts) else -1
+    if not 0 <= accepted <= len(drafts):
+        raise ValueError(f"StepResult for step {result.step_id}: sequence "
+                         f"{result.seq_ids[row]} had {len(drafts)} drafts but the result "
+                         f"accepts {accepted if counts else 'none (no num_accepted)'}")
+    return accepted

@@ -31,6 +31,7 @@ from pagedserve.pipeline.scheduler.preemption import SWAP, PreemptionChooser, pi
 from pagedserve.pipeline.scheduler.quarantine import Quarantine
 from pagedserve.pipeline.scheduler.results import advance
 from pagedserve.pipeline.scheduler.slots import can_swap_in, grow, sync_kv
+from pagedserve.pipeline.scheduler.speculative import NgramProposer
 from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request,
                                                     RequestState, Sequence, SequenceOutput,
                                                     SequenceStatus, StepOutputs)
@@ -64,6 +65,12 @@ class SchedulerStats:
     prompt_tokens: int  # prompt tokens of admitted requests, cumulative
     generation_tokens: int  # sampled tokens, cumulative
     iteration_tokens: int  # tokens computed in the last step
+    # n-gram speculation, cumulative: verifications, draft tokens proposed and accepted, and
+    # accepted per draft position (vLLM's spec_decode counters)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -118,6 +125,11 @@ class Scheduler:
             tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
         # Structured output's matchers (pipeline/structured/matchers.py); None: not enabled.
         self.grammar_book = None
+        # N-gram speculation (speculative.py); None: off.
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int = 0,
@@ -141,6 +153,10 @@ class Scheduler:
                               eos_token_ids=self.eos_token_ids,
                               num_queued=self.num_queued_requests)
         seq = self._new_seq(state, 0, list(request.prompt_token_ids) + list(request.output_token_ids))
+        if self.proposer is not None:
+            p = state.sampling
+            state.speculates = not (p.uses_penalties or p.logprobs is not None
+                                    or p.structured_outputs is not None)
         self.requests[state.request_id] = state
         if not state.stop_ids <= self.stop_id_union:
             self.stop_id_union |= state.stop_ids
@@ -229,7 +245,10 @@ class Scheduler:
             num_swapped=self.num_swapped, kv_usage=self.kv.usage,
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, iteration_tokens=self.iteration_tokens)
+            generation_tokens=self.generation_tokens, iteration_tokens=self.iteration_tokens,
+            spec_num_drafts=self.spec_num_drafts, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
     # ------------------------------------------------------------------ the step
 
@@ -310,6 +329,9 @@ class Scheduler:
             return False  # finished or preempted since
         if self.sliding_window:  # its lane_cap ends where its next block slides out
             self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
+        if seq.request.speculates and self._schedule_drafts(seq, b):
+            keep(seq)
+            return False
         n = len(seq.token_ids)
         if (not self.config.decode_lanes or seq.num_computed_tokens + 1 != n
                 or seq.num_reserved_tokens >= n or seq.needs_full_send or b.budget <= 0):
@@ -335,6 +357,29 @@ class Scheduler:
         seq.num_tokens_sent = n  # a lane that opens a new block: on with the lanes
         b.add_lane_blocks(new_blocks)
         seq.lane_cap = self._lane_cap(seq)
+        return True
+
+    def _schedule_drafts(self, seq: Sequence, b: PlanBuilder) -> bool:
+        """A steady decode of a speculating request: its last token and up to k drafts from
+        its own context, in one forward. False (nothing planned) when nothing recurs, the
+        budget or max_tokens leave no room, or the pool is short for the drafts' slots: it
+        decodes one token as usual, which may preempt; drafts never do."""
+        tokens, spec = seq.token_ids, self.config.speculative
+        n = len(tokens)
+        if (seq.num_computed_tokens + 1 != n or seq.needs_full_send
+                or 0 < spec.disable_by_batch_size < self.num_running):
+            return False
+        req = seq.request
+        k = min(spec.num_speculative_tokens, b.budget - 1,
+                req.num_prompt_tokens + req.max_output_tokens - n - 1,
+                self.config.max_model_len - n)
+        if k <= 0:
+            return False
+        drafts = self.proposer.propose(seq.seq_id, tokens, k)
+        if not drafts or not grow(seq, 1 + len(drafts), self.kv, b.copy):
+            return False
+        seq.drafts = drafts
+        self._emit(seq, 1, b, drafts)
         return True
 
     def _schedule_general(self, seq: Sequence, b: PlanBuilder, keep) -> None:
@@ -442,16 +487,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plan entries
 
-    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
-        """Plan `seq` computing `num_tokens`, sending only what the workers lack."""
+    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder,
+              drafts: list[int] = NO_BLOCKS) -> None:
+        """Plan `seq` computing `num_tokens` (and `drafts` after them), sending only what the
+        workers lack."""
         sid, tokens = seq.seq_id, seq.token_ids
         if seq.needs_full_send:
             block_ids = self.kv.block_table(sid)
             npr = seq.num_prompt_tokens
             b.add_full(seq, NewSeq(sid, tokens[:npr], tokens[npr:],
                                    seq.request.sampling.for_sample(seq.index), block_ids,
-                                   seq.num_computed_tokens, self.kv.row_of(sid)), num_tokens)
+                                   seq.num_computed_tokens, self.kv.row_of(sid)), num_tokens,
+                       drafts)
             seq.needs_full_send = False
+            seq.spec_skip = 0
             seq.num_blocks_sent = len(block_ids)
             seq.num_tokens_sent = len(tokens)
             self._planned(seq, num_tokens, b)
@@ -461,14 +510,20 @@ class Scheduler:
         if num_blocks > seq.num_blocks_sent:
             new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
             seq.num_blocks_sent = num_blocks
-        self._plan_tokens(seq, num_tokens, new_blocks, b)
+        self._plan_tokens(seq, num_tokens, new_blocks, b, drafts)
 
     def _plan_tokens(self, seq: Sequence, num_tokens: int, new_blocks: list[int],
-                     b: PlanBuilder) -> None:
+                     b: PlanBuilder, drafts: list[int] = NO_BLOCKS) -> None:
         """A ScheduledSeq with the tokens and blocks the workers have not seen yet."""
         tokens, sent = seq.token_ids, seq.num_tokens_sent
         unsent = [tokens[sent]] if sent + 1 == len(tokens) else tokens[sent:]
-        b.add_scheduled(seq, ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent))
+        if drafts or seq.spec_skip:
+            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent, drafts,
+                                 seq.spec_skip)
+            seq.spec_skip = 0
+        else:
+            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent)
+        b.add_scheduled(seq, entry)
         seq.num_tokens_sent = len(tokens)
         self._planned(seq, num_tokens, b)
 
@@ -486,6 +541,8 @@ class Scheduler:
         """lane_cap, and under a sliding window no further than the step (at
         num_computed_tokens = len(token_ids) - 1) that releases its next block: that one takes
         the general path, which slides the window first."""
+        if seq.request.speculates:
+            return -1  # its decodes may carry drafts: planned one by one
         cap = lane_cap(seq, self.block_size)
         if self.sliding_window:
             cap = min(cap, self.kv.window_release_at(seq.seq_id))
@@ -582,7 +639,10 @@ class Scheduler:
             pending.sort(key=_seq_id_of_sampled)
             outputs.others = [self._finish_sampled(seq, token, row, result)
                               for seq, token, row in pending]
-        self.generation_tokens += len(outputs)
+        self.generation_tokens += len(outputs.seqs) + sum(len(o.new_token_ids)
+                                                          for o in outputs.others)
+        if b.verified:
+            self._count_verified(b.verified)
         if self.quarantine.on_trial is not None:
             self.quarantine.end_trial(self._sampled_in(self.quarantine.on_trial, b))
         # Forked children decode from the next step on, after their parent.
@@ -591,19 +651,37 @@ class Scheduler:
 
     def _finish_sampled(self, seq: Sequence, token: int, row: int, result: StepResult
                         ) -> SequenceOutput:
-        """The output for a freshly appended token, applying the stop rules."""
-        req = seq.request
-        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        """The output for the freshly appended tokens (the sampled one, after the spec_skip
+        drafts accepted before it), applying the stop rules to each in turn: tokens after
+        the one that finishes the sample are dropped."""
+        req, tokens = seq.request, seq.token_ids
+        first = len(tokens) - 1 - seq.spec_skip  # index of the first new token
         status = None
-        if token in req.stop_ids and num_out >= req.min_tokens:
-            status = FINISHED_STOPPED
-        elif num_out >= req.max_output_tokens:
-            status = FINISHED_LENGTH
+        for i in range(first, len(tokens)):
+            num_out = i + 1 - seq.num_prompt_tokens
+            if tokens[i] in req.stop_ids and num_out >= req.min_tokens:
+                status = FINISHED_STOPPED
+            elif num_out >= req.max_output_tokens:
+                status = FINISHED_LENGTH
+            else:
+                continue
+            del tokens[i + 1:]
+            break
+        new = tokens[first:]
         request_finished = status is not None and self._finish(seq, status)
         lp = None if result.logprobs is None else [result.logprobs[row]]
         tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
-        return SequenceOutput(req.request_id, seq.index, [token], FINISH_REASONS.get(status),
-                              request_finished, lp, tlp, num_out - 1)
+        return SequenceOutput(req.request_id, seq.index, new, FINISH_REASONS.get(status),
+                              request_finished, lp, tlp, first - seq.num_prompt_tokens)
+
+    def _count_verified(self, verified: list[tuple[int, int]]) -> None:
+        per_pos = self.spec_accepted_per_pos
+        for drafted, accepted in verified:
+            self.spec_num_drafts += 1
+            self.spec_draft_tokens += drafted
+            self.spec_accepted_tokens += accepted
+            for pos in range(accepted):
+                per_pos[pos] += 1
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -655,6 +733,8 @@ class Scheduler:
             self.num_waiting -= 1
         seq.status = status
         del self.seqs[seq.seq_id]
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         if seq.num_tokens_sent:
             self._finished_seq_ids.append(seq.seq_id)
         req = seq.request

@@ -62,7 +62,8 @@ class RequestState:
 
     __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
                  "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
-                 "num_unfinished", "forked", "queued", "crashes")
+                 "num_unfinished", "forked", "queued", "crashes", "speculates", "num_drafted",
+                 "num_accepted")
 
     def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
                  priority: int, cache_salt: str | None, num_prompt_tokens: int,
@@ -83,6 +84,11 @@ class RequestState:
         # Steps that crashed the worker group while computing it, since it last sampled (the
         # scheduler fails a request at two: scheduler.py, reset_device_state).
         self.crashes = 0
+        # Its sequences draft tokens (n-gram speculation on, and nothing that needs a token's
+        # history or matcher state at sampling: penalties, logprobs, a grammar); the drafts
+        # it proposed and had accepted, for its acceptance rate.
+        self.speculates = False
+        self.num_drafted = self.num_accepted = 0
 
     @property
     def num_seq_slots(self) -> int:
@@ -98,7 +104,7 @@ class Sequence:
                  "num_computed_tokens", "num_reserved_tokens", "num_kv_tokens", "shared_tail",
                  "status", "parent_id",
                  "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
-                 "last_step", "preempted_step", "lane_cap")
+                 "last_step", "preempted_step", "lane_cap", "drafts", "spec_skip")
 
     def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int],
                  parent_id: int | None = None) -> None:
@@ -126,6 +132,10 @@ class Sequence:
         # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
         # plan.s decode columns (scheduler/plan.py, lane_cap()); -1: take the general path.
         self.lane_cap = -1
+        self.drafts: list[int] = []  # tokens proposed after its last one in the step in flight
+        # Accepted drafts the workers computed but have not been told of: the next plan's
+        # ScheduledSeq.num_skipped, so they count them as computed.
+        self.spec_skip = 0
 
     # State changes shared by several of the scheduler's paths. (The hot loops write the
     # fields directly: a method call per sequence per step would show in the cycle time.)
@@ -142,7 +152,8 @@ class Sequence:
 
     def workers_reset(self) -> None:
         """The workers hold nothing for it any more (their group restarted)."""
-        self.num_tokens_sent = self.num_blocks_sent = self.step_tokens = 0
+        self.num_tokens_sent = self.num_blocks_sent = self.step_tokens = self.spec_skip = 0
+        self.drafts = []
         self.needs_full_send = True
         self.preempted_step = -1
         self.lane_cap = -1

@@ -30,12 +30,23 @@ def window_next_token(salt: int, history: list[int], vocab: int, window: int) ->
     return next_token(salt, [len(history)] + history[-window:], vocab)
 
 
+def copying_next_token(salt: int, history: list[int], vocab: int, window: int = 0) -> int:
+    """A fake model that mostly repeats what came PERIOD tokens back (two times in three), so
+    n-gram drafts are often right and sometimes wrong."""
+    period = 5
+    h = zlib.crc32(array("q", history).tobytes(), salt)
+    if h % 3 and len(history) >= period:
+        return history[-period]
+    return h % vocab
+
+
 def expected_tokens(prompt: list[int], num_tokens: int, vocab: int, salt: int = 0,
-                    stop_ids=(), min_tokens: int = 0, window: int = 0) -> list[int]:
+                    stop_ids=(), min_tokens: int = 0, window: int = 0,
+                    model=window_next_token) -> list[int]:
     """What a sequence generates when nothing goes wrong (stops at a stop id after min_tokens)."""
     history, out = list(prompt), []
     while len(out) < num_tokens:
-        tok = window_next_token(salt, history, vocab, window)
+        tok = model(salt, history, vocab, window)
         history.append(tok)
         out.append(tok)
         if tok in stop_ids and len(out) >= min_tokens:
@@ -52,7 +63,11 @@ class _SeqState:
 
 class FakeWorker:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab: int = 1000, salt_of=None, window: int = 0) -> None:
+                 vocab: int = 1000, salt_of=None, window: int = 0,
+                 model=window_next_token) -> None:
+        self.model = model  # model(salt, history, vocab, window) -> the next token
+        self.verified: list[tuple[int, int]] = []  # (drafts, accepted) of each verification
+        self.accepted_drafts: list[list[int]] = []  # the drafts each verification accepted
         self.bs = block_size
         self.vocab = vocab
         self.window = window
@@ -77,7 +92,7 @@ class FakeWorker:
             self.gpu[dst] = list(self.cpu[src])
         for src, dst in plan.copy:
             self.gpu[dst] = list(self.gpu[src])
-        seq_ids, token_ids = [], []
+        seq_ids, token_ids, accepted = [], [], []
         assert len(plan.decode_seq_ids) == len(plan.decode_token_ids)
         for i, s in enumerate(plan.seq_steps()):  # the decode columns first
             st = self.seqs[s.seq_id]
@@ -85,15 +100,22 @@ class FakeWorker:
                 assert st.num_computed == len(st.tokens), f"decode of {s.seq_id} is not its last token"
             st.table.extend(s.new_block_ids)
             st.tokens.extend(s.new_token_ids)
+            st.num_computed += s.num_skipped  # drafts it accepted last step
             end = st.num_computed + s.num_tokens
+            drafts = s.draft_token_ids
             assert end <= len(st.tokens), f"seq {s.seq_id} computes past its known tokens"
-            assert end <= len(st.table) * self.bs, f"seq {s.seq_id} computes past its blocks"
-            for pos in range(st.num_computed, end):
-                self.gpu[st.table[pos // self.bs]][pos % self.bs] = st.tokens[pos]
+            assert end + len(drafts) <= len(st.table) * self.bs, \
+                f"seq {s.seq_id} computes past its blocks"
+            for pos, token in enumerate(st.tokens[st.num_computed:end] + drafts, st.num_computed):
+                self.gpu[st.table[pos // self.bs]][pos % self.bs] = token
             st.num_computed = end
             if end == len(st.tokens):
                 seq_ids.append(s.seq_id)
-                token_ids.append(self._sample(s.seq_id, st))
+                num, token = self._verify(s.seq_id, st, drafts)
+                token_ids.append(token)
+                accepted.append(num)
+            else:
+                assert not drafts, f"seq {s.seq_id} has drafts but does not sample"
         for fork in plan.forks:
             parent = self.seqs[fork.parent_id]
             for cid in fork.child_ids:
@@ -102,7 +124,28 @@ class FakeWorker:
                 self.seqs[cid] = child
                 seq_ids.append(cid)
                 token_ids.append(self._sample(cid, child))
-        return StepResult(plan.step_id, seq_ids, token_ids, None, None)
+                accepted.append(0)
+        return StepResult(plan.step_id, seq_ids, token_ids, None, None,
+                          accepted if any(s.draft_token_ids for s in plan.scheduled) else [])
+
+    def _verify(self, seq_id: int, st: _SeqState, drafts: list[int]) -> tuple[int, int]:
+        """Greedy verification, from the pool (drafts in their slots): drafts are accepted
+        while each is the model's next token; then the token after the accepted ones."""
+        if not drafts:
+            return 0, self._sample(seq_id, st)
+        n = st.num_computed
+        first = max(0, n - self.window) if self.window else 0
+        seen = [self.gpu[st.table[p // self.bs]][p % self.bs] for p in range(first, n + len(drafts))]
+        assert seen == st.tokens[first:n] + drafts, f"seq {seq_id}: the pool holds {seen}"
+        history, num = st.tokens[:n], 0
+        for draft in drafts:
+            if self.model(st.salt, history, self.vocab, self.window) != draft:
+                break
+            history = history + [draft]
+            num += 1
+        self.verified.append((len(drafts), num))
+        self.accepted_drafts.append(drafts[:num])
+        return num, self.model(st.salt, history, self.vocab, self.window)
 
     def _sample(self, seq_id: int, st: _SeqState) -> int:
         n = st.num_computed
@@ -115,7 +158,7 @@ class FakeWorker:
         self.sampled_positions.append((seq_id, n))
         if self.script.get(seq_id):
             return self.script[seq_id].pop(0)
-        return window_next_token(st.salt, st.tokens[:n], self.vocab, self.window)
+        return self.model(st.salt, st.tokens[:n], self.vocab, self.window)
 
 
 def drive(sched, worker, *, now: float = 0.0, max_steps: int = 10_000, check=None,
@@ -145,7 +188,7 @@ def drive(sched, worker, *, now: float = 0.0, max_steps: int = 10_000, check=Non
 
 
 def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, *, eos=(), vocab: int = 1000,
-                   salt_of=None, **config):
+                   salt_of=None, model=window_next_token, **config):
     """A scheduler over a real KVCacheManager plus a FakeWorker of the same pool sizes."""
     from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
 
@@ -154,7 +197,7 @@ def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, *, eos=(), voca
     cfg = SchedulerConfig(**config)
     sched = Scheduler.from_config(cfg, num_gpu_blocks, num_cpu_blocks, eos_token_ids=eos)
     worker = FakeWorker(num_gpu_blocks, num_cpu_blocks, cfg.block_size, vocab, salt_of,
-                        window=cfg.sliding_window)
+                        window=cfg.sliding_window, model=model)
     return sched, worker
 
 

@@ -74,6 +74,8 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  max_num_batched_tokens=333, max_queued_requests=44,
                  enable_chunked_prefill=False, preemption_mode="swap",
                  scheduling_policy="priority", step_timeout=9.0, max_restarts=5,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4},
                  restart_window=7.0, heartbeat_timeout=3.0)
     config = EngineConfig.from_kwargs(model="/some/dir", **given)
     for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
@@ -111,3 +113,34 @@ def test_ipc_dir_is_created_private_or_refused_when_others_can_enter(tmp_path):
     assert a.tag != b.tag and a.tag.startswith("g-")  # same folder name, other groups
     assert a.shm_segments(2) == [f"{a.tag}_bt", f"{a.tag}_swap0", f"{a.tag}_swap1"]
     assert a.rendezvous(3) == f"file://{tmp_path}/g/rendezvous-3"
+
+
+def test_speculative_config_flag_takes_vllms_json_and_refuses_bad_settings():
+    from pagedserve.pipeline.config import EngineConfig
+    from pagedserve.pipeline.scheduler import SchedulerConfig
+    from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+    cfg = _cfg("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                                       '"prompt_lookup_max": 3}')
+    assert cfg.scheduling.speculative_config == {"method": "ngram", "num_speculative_tokens": 4,
+                                                 "prompt_lookup_max": 3}
+    # as in vLLM, a missing bound takes the other's value, both missing 5
+    assert SpeculativeConfig.parse(cfg.scheduling.speculative_config) == SpeculativeConfig(
+        "ngram", 4, 3, 3)
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}') == SpeculativeConfig(
+        "ngram", 2, 5, 5)
+    assert SpeculativeConfig.parse(None) is None and _cfg().scheduling.speculative_config is None
+    with pytest.raises(SystemExit):   # argparse: not JSON
+        _cfg("--speculative-config", "ngram")
+    bad = [({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+           ({"method": "ngram"}, "num_speculative_tokens is required"),
+           ({"num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..32"),
+           ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            r"need 1 <= prompt_lookup_min \(4\) <= prompt_lookup_max \(2\)"),
+           ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key.*draft_model"),
+           ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match="--speculative-config: " + message):
+            EngineConfig.from_kwargs(speculative_config=value)
+    on = EngineConfig.from_kwargs(model="m", max_model_len=64, speculative_config={
+        "num_speculative_tokens": 2, "disable_by_batch_size": 8})
+    assert SchedulerConfig.from_engine(on).speculative == SpeculativeConfig("ngram", 2, 5, 5, 8)

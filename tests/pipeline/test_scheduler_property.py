@@ -1,6 +1,6 @@
-"""Property test: random arrivals, lengths, aborts, priorities, n and a small pool. Every accepted
-request finishes (with exactly the tokens an undisturbed run gives) or is aborted; no deadlock;
-budget and caps hold every step; the pools are empty at the end."""
+"""Property test: random arrivals, lengths, aborts, priorities, n, n-gram speculation and a small
+pool. Every accepted request finishes (with exactly the tokens an undisturbed run gives) or is
+aborted; no deadlock; budget and caps hold every step; the pools are empty at the end."""
 import os
 
 from hypothesis import HealthCheck, event, example, given, settings
@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import RequestRejected
 from pagedserve.pipeline.scheduler.sequence import Request
-from sched_fakes import expected_tokens, make_scheduler
+from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+from sched_fakes import copying_next_token, expected_tokens, make_scheduler, window_next_token
 
 EOS = 7
 VOCAB = 40
@@ -38,6 +39,9 @@ config_st = st.fixed_dictionaries({
     "preemption_mode": st.sampled_from(["swap", "recompute", "auto"]),
     "swap_threshold_tokens": st.sampled_from([None, 10]),
     "watermark": st.sampled_from([0.0, 0.1]),
+    # (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max); the fake model copies
+    # when speculating, so drafts are often accepted
+    "speculative": st.sampled_from([None, None, (3, 1, 2), (5, 2, 3)]),
 })
 
 
@@ -70,8 +74,11 @@ def test_random_workloads_finish(cfg, specs):
     budget = cfg["max_num_seqs"] + cfg["extra_budget"]
     if not cfg["enable_chunked_prefill"]:
         budget = max(budget, max_model_len)
+    spec = cfg.get("speculative")
+    model = copying_next_token if spec else window_next_token
     sched, worker = make_scheduler(
-        cfg["num_gpu_blocks"], cfg["num_cpu_blocks"], eos=(EOS,), vocab=VOCAB,
+        cfg["num_gpu_blocks"], cfg["num_cpu_blocks"], eos=(EOS,), vocab=VOCAB, model=model,
+        speculative=SpeculativeConfig("ngram", *spec) if spec else None,
         block_size=BLOCK, max_model_len=max_model_len, max_num_seqs=cfg["max_num_seqs"],
         max_num_batched_tokens=budget, enable_chunked_prefill=cfg["enable_chunked_prefill"],
         enable_prefix_caching=cfg["enable_prefix_caching"], policy=cfg["policy"],
@@ -90,7 +97,8 @@ def test_random_workloads_finish(cfg, specs):
             aborts.setdefault(spec["abort_at"], []).append(f"r{i}")
         stop_ids = () if spec["ignore_eos"] else (EOS,)
         want[f"r{i}"] = (expected_tokens(prompt, params.max_tokens, VOCAB, 0, stop_ids,
-                                         params.min_tokens), stop_ids, params.min_tokens, params.n)
+                                         params.min_tokens, model=model),
+                         stop_ids, params.min_tokens, params.n)
     accepted, aborted = set(), set()
     swapped = copied = False
     tokens, reasons = {}, {}
@@ -112,7 +120,7 @@ def test_random_workloads_finish(cfg, specs):
         plan = sched.schedule(float(step_no))
         swapped |= bool(plan.swap_out)
         copied |= bool(plan.copy)
-        num_tokens = [s.num_tokens for s in plan.seq_steps()]
+        num_tokens = [s.num_tokens + len(s.draft_token_ids) for s in plan.seq_steps()]
         assert sum(num_tokens) <= budget and min(num_tokens, default=1) >= 1
         assert len(plan.seq_steps()) <= cfg["max_num_seqs"]
         assert sched.num_running + sched.num_unforked <= cfg["max_num_seqs"]
@@ -133,6 +141,11 @@ def test_random_workloads_finish(cfg, specs):
     event(f"swapped: {swapped}")
     event(f"copy-on-write: {copied}")
     event(f"prefix hits: {sched.stats().prefix_cache_hits > 0}")
+    if spec:
+        drafted = sum(d for d, _ in worker.verified)
+        taken = sum(a for _, a in worker.verified)
+        event(f"drafts accepted: {'none' if not taken else 'all' if taken == drafted else 'some'}")
+        assert (sched.spec_draft_tokens, sched.spec_accepted_tokens) == (drafted, taken)
     assert not sched.has_unfinished() and not sched.seqs
     kv = sched.kv.stats()
     assert (kv.gpu_blocks_used, kv.cpu_blocks_used) == (0, 0)
