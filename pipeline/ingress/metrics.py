@@ -40,6 +40,13 @@ _COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens", "Prefill tokens processed."),
     "generation_tokens": ("vllm:generation_tokens", "Generation tokens processed."),
 }
+# Only when n-gram speculation is on (--speculative-config): the scheduler's stats carry them.
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Draft verifications."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
+                                        "Draft tokens accepted."),
+}
 
 
 def histogram_family(name: str, doc: str, model_name: str, data: dict[str, Any]) -> HistogramMetricFamily:
@@ -72,6 +79,8 @@ class EngineStatsCollector:
             fam = CounterMetricFamily(name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], float(stats.get(key, 0)))
             yield fam
+        if "spec_decode_num_drafts" in stats:
+            yield from self._speculation(stats)
         yield histogram_family("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                self.model_name, stats.get("iteration_tokens") or {})
         yield self._unknown_messages(stats)
@@ -89,6 +98,21 @@ class EngineStatsCollector:
         else:
             yield from self._fallback_queue_time.collect()
 
+
+    def _speculation(self, stats: dict[str, Any]) -> Iterator[Any]:
+        for key, (name, doc) in _SPEC_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield fam
+        fam = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position.",
+                                  labels=["model_name", "position"])
+        for pos, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+            fam.add_metric([self.model_name, str(pos)], float(count))
+        yield fam
+        yield histogram_family("pagedserve:spec_decode_request_acceptance_rate",
+                               "Each finished request's share of its draft tokens accepted.",
+                               self.model_name, stats.get("spec_decode_request_acceptance") or {})
 
     def _unknown_messages(self, stats: dict[str, Any]) -> CounterMetricFamily:
         """Messages a process received and did not handle: every role's count as the scheduler

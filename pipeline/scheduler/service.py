@@ -16,6 +16,8 @@ from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, Scheduler
 from pagedserve.pipeline.scheduler.sequence import Request, RequestState, StepOutputs
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A finished request's share of its drafts that were accepted (n-gram speculation).
+ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abort its requests
 # How long a finished request's outputs are kept for a re-feed: a detokenizer that died (or hung,
 # found by its missing heartbeats) before delivering them gets them again from its successor.
@@ -80,6 +82,7 @@ class SchedulerService:
         self.draining = False
         self.roles_down: dict[str, str] = {}  # role -> cause, while it restarts
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        self.request_acceptance = Histogram(ACCEPTANCE_BUCKETS)
         # Messages some role received and did not handle, by (role, type tag): /metrics shows
         # them as pagedserve:unknown_messages.
         self.unknown_messages: dict[tuple[str, str], int] = {}
@@ -280,6 +283,8 @@ class SchedulerService:
         successor has been re-fed."""
         now = self.clock()
         for state in self.scheduler.take_finished():
+            if state.num_drafted:
+                self.request_acceptance.observe(state.num_accepted / state.num_drafted)
             owner = self.owners.get(state.request_id)
             if owner is not None:
                 self.finished[state.request_id] = _Finished(now, owner, state)
@@ -327,7 +332,13 @@ class SchedulerService:
     def stats(self) -> dict:
         s = self.scheduler.stats()
         kv = self.scheduler.kv.stats()
-        return {
+        spec = {} if self.scheduler.proposer is None else {
+            "spec_decode_num_drafts": s.spec_num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(s.spec_accepted_per_pos),
+            "spec_decode_request_acceptance": self.request_acceptance.to_dict()}
+        return spec | {
             "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
             "num_requests_swapped": s.num_swapped, "kv_cache_usage_perc": s.kv_usage,
             "prefix_cache_queries": s.prefix_cache_queries,
