@@ -111,3 +111,28 @@ def test_metrics_still_served_when_the_engine_does_not_answer():
         assert r.status_code == 200
         assert value(samples(r.text), "vllm:num_requests_running") == 0
     asyncio.run(main())
+
+
+def test_speculation_metrics_appear_only_when_the_engine_speculates():
+    async def main():
+        ctx, engine = make_test_context()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
+                                     base_url="http://test") as client:
+            engine.stats_result = engine_stats(1)
+            off = samples((await client.get("/metrics")).text)
+            engine.stats_result = engine_stats(1) | {
+                "spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                "spec_decode_num_accepted_tokens": 25,
+                "spec_decode_num_accepted_tokens_per_pos": [9, 7, 5, 4],
+                "spec_decode_request_acceptance": {"buckets": [0.5, 1.0], "counts": [1, 3],
+                                                   "sum": 2.1, "count": 3}}
+            on = samples((await client.get("/metrics")).text)
+        assert not any(name.startswith("vllm:spec_decode") for name, _ in off)
+        assert value(on, "vllm:spec_decode_num_drafts_total") == 10
+        assert value(on, "vllm:spec_decode_num_draft_tokens_total") == 40
+        assert value(on, "vllm:spec_decode_num_accepted_tokens_total") == 25
+        assert [value(on, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                for p in range(4)] == [9, 7, 5, 4]
+        assert value(on, "pagedserve:spec_decode_request_acceptance_rate_count") == 3
+        assert value(on, "pagedserve:spec_decode_request_acceptance_rate_bucket", le="0.5") == 1
+    asyncio.run(main())
