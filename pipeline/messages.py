@@ -134,6 +134,9 @@ class StepResult(msgspec.Struct, gc=False, omit_defaults=True):
     # Per row, the drafts accepted before its token (the sample's new tokens are those drafts
     # and the token); empty when no row had drafts.
     num_accepted: list[int] = []
+    # PAGEDSERVE_STEP_TRACE only: rank 0's clock readings (time.monotonic(): "received" the
+    # plan, "sent" the result) and milliseconds (forward, sample, matmul, attention).
+    timings: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +213,7 @@ class TokenBatch(msgspec.Struct):
     indices: list[int] = []
     token_ids: list[int] = []
     offsets: list[int] = []
+    sent: float = 0.0  # PAGEDSERVE_STEP_TRACE only: the scheduler's time.monotonic() at send
 
     def all_samples(self) -> list[SampleTokens]:
         """The columns spelled out as SampleTokens, then `samples`."""

@@ -97,4 +97,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
                       swap_shm_name=cfg.ipc.swap_segment(rank) if shared_swap else None)
+    if cfg.env.step_trace and rank == 0:
+        from pagedserve.workers.step_trace import StepProfiler
+        core.profiler = StepProfiler(runner.model)
     return core, runner_blocks, num_cpu_blocks

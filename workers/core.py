@@ -7,6 +7,7 @@ scheduled sequences, then forks.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,8 @@ class WorkerCore:
         self.swap_pool = allocate_swap_pool(runner.kv_cache, num_cpu_blocks, swap_shm_name)
         self.seqs: dict[int, SeqState] = {}
         self.tables: SharedBlockTables | None = None  # attached per plan.shared_tables
+        # PAGEDSERVE_STEP_TRACE: workers/step_trace.py times the forward's parts (rank 0)
+        self.profiler = None
         self._tables_ref: SharedTables | None = None
 
     def reset(self) -> None:
@@ -88,7 +91,9 @@ class WorkerCore:
         self._move_blocks(plan)
 
         items, sampled_ids = self._collect(plan)
+        started = time.perf_counter()
         logits = self.runner.execute(items)
+        forward_done = time.perf_counter()
         seqs = self.seqs
         for seq_id in plan.decode_seq_ids:
             seqs[seq_id].num_computed_tokens += 1
@@ -111,8 +116,14 @@ class WorkerCore:
         if self.sampler is None:
             return None
         if drafts:
-            return self._verify(plan, logits, row_ids, rows, drafts)
-        return self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
+            result = self._verify(plan, logits, row_ids, rows, drafts)
+        else:
+            result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
+        if self.profiler is not None:
+            result.timings = {"forward_ms": (forward_done - started) * 1e3,
+                              "sample_ms": (time.perf_counter() - forward_done) * 1e3,
+                              **self.profiler.take()}
+        return result
 
     def _register(self, new: NewSeq) -> None:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params

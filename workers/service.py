@@ -2,6 +2,7 @@
 0), Reset -> a fresh sequence state and WorkerReady, Shutdown -> stop."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from pagedserve.faults import FaultInjector
@@ -30,6 +31,7 @@ class WorkerService:
                                     self.num_cpu_blocks, token)
 
     def on_plan(self, plan: messages.StepPlan) -> None:
+        received = time.monotonic()
         self.step_id = plan.step_id
         if self.faults:
             tokens = {t for new in plan.new_seqs for t in new.prompt_token_ids} \
@@ -37,6 +39,9 @@ class WorkerService:
             self.faults.on_message(step=plan.step_id, token_ids=tokens)
         result = self.core.execute(plan)
         if result is not None:
+            if self.core.profiler is not None:  # PAGEDSERVE_STEP_TRACE
+                result.timings["received"] = received
+                result.timings["sent"] = time.monotonic()
             self.send_to_scheduler(result)
 
     def on_reset(self, msg: messages.Reset) -> None:

@@ -6,6 +6,7 @@ launcher (readiness, heartbeats). What each message means is DetokenizerService'
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -51,8 +52,11 @@ def main() -> int:
         log.info("stop (%s)", msg.reason or "shutdown")
         raise _Stop
 
+    handlers = service.handlers()
+    if cfg.env.step_trace:
+        handlers[messages.TokenBatch] = _traced(handlers[messages.TokenBatch], cfg.env.step_trace)
     dispatcher = transport.Dispatcher(
-        "detokenizer", {**service.handlers(), messages.Shutdown: shutdown}, log=log,
+        "detokenizer", {**handlers, messages.Shutdown: shutdown}, log=log,
         report=lambda tag, why: transport.send(
             events, messages.UnknownMessage("detokenizer", tag, why)))
     transport.send(control, messages.ProcessReady("detokenizer", 0, os.getpid()))
@@ -67,6 +71,22 @@ def main() -> int:
         for s in (inbox, clients, events, control):
             s.close(0)
         ctx.term()
+
+
+def _traced(on_tokens, path: str):
+    """PAGEDSERVE_STEP_TRACE: a line per TokenBatch beside the scheduler's (same file):
+    queue_ms from the scheduler's send to here, detokenize_ms to text deltas sent."""
+    trace = open(path, "a", encoding="utf-8")
+
+    def handle(batch: messages.TokenBatch, *args) -> None:
+        started = time.monotonic()
+        on_tokens(batch, *args)
+        done = time.monotonic()
+        trace.write(json.dumps({"role": "detokenizer", "step": batch.step_id,
+                                "queue_ms": round((started - batch.sent) * 1e3, 3),
+                                "detokenize_ms": round((done - started) * 1e3, 3)}) + "\n")
+        trace.flush()
+    return handle
 
 
 def _serve(service: DetokenizerService, dispatcher: transport.Dispatcher, inbox, clients,

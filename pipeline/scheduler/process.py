@@ -169,7 +169,7 @@ class SchedulerProcess:
             scheduler, instance=self.instance, grammar_gate=gate,
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,
             send_to_client=lambda cid, msg: transport.send_to_peer(self.frontend, msg, cid),
-            send_to_detok=lambda msg: transport.send(self.detok, msg))
+            send_to_detok=self._send_to_detok)
         for role, tag in self._early_unknown:
             self.service.count_unknown(role, tag)
         if self.incarnation:
@@ -258,6 +258,7 @@ class SchedulerProcess:
             # Nothing can run now (e.g. waiting for blocks that an abort will free).
             scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
             return
+        sending = time.monotonic()
         frames = transport.encode(plan)
         try:
             for rank in range(self.tp_size):
@@ -267,18 +268,36 @@ class SchedulerProcess:
             self.lose_workers(f"cannot reach a worker rank: {exc}")
             return
         self.inflight = plan
-        self.inflight_since = time.monotonic()
+        self.inflight_since = sending
 
-    def _trace_step(self, plan: messages.StepPlan) -> None:
-        """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and how long it took."""
+    def _send_to_detok(self, msg) -> None:
+        if self.trace is not None and isinstance(msg, messages.TokenBatch):
+            msg.sent = time.monotonic()
+        transport.send(self.detok, msg)
+
+    def _trace_step(self, plan: messages.StepPlan, timings: dict, received: float,
+                    updated: float) -> None:
+        """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and where its time
+        went: schedule, send (plan sent until rank 0 has it), rank 0's forward (matmul,
+        attention, other) and sample, return (result sent until here), update (the result
+        applied and the tokens handed to the detokenizer, which writes its own lines). Clock
+        readings of other processes are time.monotonic(): one host's clock."""
         decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
         tokens = plan.num_tokens
-        self.trace.write(json.dumps({
-            "step": plan.step_id, "decode_seqs": decodes, "prefill_tokens": tokens - decodes,
-            "prefill_seqs": plan.num_scheduled - decodes,
-            "compute_ms": round((time.monotonic() - self.inflight_since) * 1e3, 2),
-            "schedule_ms": round(self.last_schedule_ms, 3),
-            "waiting": len(self.service.scheduler.waiting)}) + "\n")
+        line = {"role": "scheduler", "step": plan.step_id, "decode_seqs": decodes,
+                "prefill_tokens": tokens - decodes, "prefill_seqs": plan.num_scheduled - decodes,
+                "schedule_ms": self.last_schedule_ms,
+                "round_trip_ms": (received - self.inflight_since) * 1e3,
+                "update_ms": (updated - received) * 1e3,
+                "waiting": len(self.service.scheduler.waiting)}
+        if timings:
+            line |= {"send_ms": (timings["received"] - self.inflight_since) * 1e3,
+                     "return_ms": (received - timings["sent"]) * 1e3,
+                     "other_ms": timings["forward_ms"] - timings["matmul_ms"]
+                     - timings["attention_ms"]}
+            line |= {k: v for k, v in timings.items() if k.endswith("_ms")}
+        self.trace.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                     for k, v in line.items()}) + "\n")
         self.trace.flush()
 
     # -- receiving -----------------------------------------------------------------------------
@@ -319,9 +338,12 @@ class SchedulerProcess:
         if plan is None or plan.step_id != msg.step_id:
             return  # a result from before a reset: its step was discarded
         self.inflight = None
-        if self.trace is not None:
-            self._trace_step(plan)
+        if self.trace is None:
+            self.service.on_step_result(plan, msg)
+            return
+        received = time.monotonic()
         self.service.on_step_result(plan, msg)
+        self._trace_step(plan, msg.timings, received, time.monotonic())
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
         if self.inflight is not None or self.workers_ready:

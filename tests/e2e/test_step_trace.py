@@ -1,0 +1,39 @@
+"""PAGEDSERVE_STEP_TRACE on a launched group: every step's time split into schedule, send,
+rank 0's forward (matmul, attention, other) and sample, return and update by the scheduler, and
+queue and detokenize by the detokenizer; scripts/step_budget.py sums a single stream's token."""
+from __future__ import annotations
+
+import json
+
+from pagedserve.pipeline import LLM, SamplingParams
+from tests.script_module import load_script
+
+PHASES = ("schedule_ms", "send_ms", "forward_ms", "matmul_ms", "attention_ms", "other_ms",
+          "sample_ms", "return_ms", "update_ms", "round_trip_ms")
+
+
+def test_the_trace_splits_each_step_across_the_processes(model_dir, tmp_path, monkeypatch):
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(trace))
+    with LLM(model=str(model_dir), kv_cache_memory="64MiB", cpu_threads=1) as llm:
+        [out] = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=12,
+                                                                   temperature=0.0,
+                                                                   ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 12
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in lines if r["role"] == "scheduler"]
+    detok = {r["step"]: r for r in lines if r["role"] == "detokenizer"}
+    assert len(steps) == 12 and set(detok) == {r["step"] for r in steps}
+    for r in steps:
+        assert all(r[k] >= 0 for k in PHASES if k != "other_ms"), r
+        # the worker's parts fit in its forward, which fits in the round trip with the hops
+        assert r["matmul_ms"] + r["attention_ms"] <= r["forward_ms"] + 1e-3, r
+        assert r["send_ms"] + r["forward_ms"] + r["sample_ms"] + r["return_ms"] \
+            <= r["round_trip_ms"] + 0.01, r
+        assert r["matmul_ms"] > 0 and r["attention_ms"] > 0
+        assert detok[r["step"]]["queue_ms"] >= 0 and detok[r["step"]]["detokenize_ms"] > 0
+    summary = load_script("step_budget").budget(lines)
+    assert summary["steps"] == 11  # the decodes after the prompt's step
+    assert summary["token_ms"] == round(sum(summary["phases_ms"][k] for k in (
+        "schedule_ms", "send_ms", "forward_ms", "sample_ms", "return_ms", "update_ms",
+        "queue_ms", "detokenize_ms")), 3)
