@@ -22,7 +22,7 @@ Tests change settings with `override(...)`, which also clears what was derived f
 | PAGEDSERVE_PREPACK | 1 | 0: no prepacked CPU linear weights (plain F.linear) |
 | PAGEDSERVE_NATIVE_CFLAGS | (none) | extra C compiler flags for the native kernels |
 | CC | gcc or cc | the C compiler of the native kernels |
-| PAGEDSERVE_STEP_TRACE | (none) | a file: one JSON line per scheduler step (its mix and times) |
+| PAGEDSERVE_STEP_TRACE | (none) | a file: a JSON line per step, its time split across the processes (scripts/step_budget.py) |
 | PAGEDSERVE_READY_TIMEOUT | 600 | seconds the launcher waits for every process to be ready |
 | PAGEDSERVE_DRAIN_TIMEOUT | 120 | seconds a graceful stop waits for in-flight requests |
 | PAGEDSERVE_START_TIMEOUT | 900 | seconds the offline API waits for its engine group |

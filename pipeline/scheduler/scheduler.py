@@ -19,7 +19,7 @@ back into the planned sequences) - and never see the Scheduler.
 This module holds the Scheduler's state (`__init__`) and the planning of a step (`schedule` and
 what it calls). The rest of the request lifecycle - `add`, `abort`, `stop`, `update`,
 `reset_device_state`, `stats`, forks, preemptions and finishes - is its base class
-`RequestLifecycle` (lifecycle.py), where `Recovery` and `SchedulerStats` live (re-exported here).
+`RequestLifecycle` (bookkeeping.py), where `Recovery` and `SchedulerStats` live (re-exported here).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import heapq
 
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq, SharedTables, StepPlan
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
-from pagedserve.pipeline.scheduler.lifecycle import Recovery, RequestLifecycle, SchedulerStats
+from pagedserve.pipeline.scheduler.bookkeeping import Recovery, RequestLifecycle, SchedulerStats
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.policy import make_policy
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, pick_victim
