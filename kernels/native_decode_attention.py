@@ -3,10 +3,10 @@ decode_<format>.c for each cache format).
 
 Same contract and numbers as paged_decode_attention_ref (fp32 softmax and accumulation), but
 each sequence's pages are read once, straight from the block table, instead of being gathered
-into a scratch buffer and read again by SDPA. Sequences longer than PART_TOKENS are split into
-partitions that run as separate tasks (so that one sequence alone still uses every thread) and
-are merged by log-sum-exp in order. The partition size is fixed, so a row's result does not
-depend on what else is in the batch.
+into a scratch buffer and read again by SDPA. Sequences longer than PART_TOKENS are split into up
+to MAX_PARTS partitions that run as separate tasks (so that one sequence alone still uses every
+thread) and are merged by log-sum-exp in order. A row's partitions follow from its own context
+length, so its result does not depend on what else is in the batch.
 
 Supports fp32, bf16 and fp8 (e4m3fn, e5m2) caches under fp32 or bf16 queries; the C kernel works in
 fp32 (a bf16 query and its output are converted here, a few hundred KB per layer). `supports()`
@@ -24,7 +24,8 @@ from . import native
 from .paged_decode_attention import _check_decode
 
 FEATURE = "decode_attention"
-PART_TOKENS = 64
+PART_TOKENS = 512  # the smallest partition a row is cut into (rounded to whole blocks)
+MAX_PARTS = 4      # partitions a row is cut into at most
 # Threads of the kernel's task pool, as set_threads set them; None: PAGEDSERVE_ATTENTION_THREADS,
 # where 0 means torch's current thread count. A CPU worker sets it to its cores, which may exceed
 # its torch threads: see kernels/native/task_pool.c.
@@ -137,11 +138,13 @@ class DecodeCall:
         max_context = int(self._lens.max()) if num_seqs else 0
         if window > 0:      # the keys a task walks start at the block of the window's first
             max_context = min(max_context, window + block_size - 1)
-        # One partition size whatever the batch: a sequence's partitions, and so the order of
-        # its sums, depend on its own context alone (batch invariance: the same bits decoding
-        # alone, beside others, or as a row of a multi-token step, e.g. speculative drafts).
+        # Each row's partitions depend on its own context alone (batch invariance: the same
+        # bits decoding alone, beside others, or as a row of a multi-token step, e.g.
+        # speculative drafts): the kernel cuts a row into at most MAX_PARTS partitions of at
+        # least PART_TOKENS (whole blocks), so one short sequence still uses every thread and a
+        # long batch does not pay for many small partitions.
         part_tokens = max(1, PART_TOKENS // block_size) * block_size
-        max_parts = max(-(-max_context // part_tokens), 1)
+        max_parts = max(min(MAX_PARTS, -(-max_context // part_tokens)), 1)
         self._workspace = torch.empty((num_seqs * max_parts * num_q_heads * (head_dim + 2),),
                                       dtype=torch.float32)
         self._middle = (self._cache_stride[0], self._cache_stride[1], self._cache_stride[2],

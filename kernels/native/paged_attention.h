@@ -589,16 +589,21 @@ static void decode_task_##SUFFIX(void *arg, int64_t task) {                     
     const int64_t max_parts = job->max_parts, part_tokens = job->part_tokens;                 \
     const int64_t b = task / max_parts, p = task % max_parts;                                 \
     const int64_t ctx = job->context_lens[b];                                                 \
-    /* the window's first key, and partitions counted from the start of its block */          \
+    /* the window's first key, and partitions counted from the start of its block; the      \
+     * row's partition size depends on its own context alone (at most max_parts partitions  \
+     * of at least part_tokens, whole blocks), so its sums do not depend on the batch */     \
     const int64_t first = job->window > 0 && ctx > job->window ? ctx - job->window : 0;      \
-    int64_t k0 = first - first % block_size + p * part_tokens;                                \
+    const int64_t start = first - first % block_size;                                         \
+    int64_t part = (ctx - start + max_parts - 1) / max_parts;                                 \
+    part = part < part_tokens ? part_tokens : (part + block_size - 1) / block_size * block_size;\
+    int64_t k0 = start + p * part;                                                            \
     float *base = job->workspace + task * H * line_floats;                                    \
     float *pm = base, *pl = base + H, *pacc = base + 2 * H;                                   \
     if (ctx < 1 || ctx > job->table_width * block_size) { job->status = -5; return; }        \
     if (k0 >= ctx) { for (int64_t h = 0; h < H; h++) pl[h] = 0.0f; return; }                \
-    const int64_t k1 = ctx < k0 + part_tokens ? ctx : k0 + part_tokens;                       \
+    const int64_t k1 = ctx < k0 + part ? ctx : k0 + part;                                     \
     if (k0 < first) k0 = first;                                                               \
-    float *qf = pa_thread_scratch(H * D + H * part_tokens);                                      \
+    float *qf = pa_thread_scratch(H * D + H * part);                                          \
     if (!qf) { job->status = -4; return; }                                                    \
     float *scores = qf + H * D;                                                               \
     int rc = DECODE_FIXED_CALL(SUFFIX, b, k0, k1, scores, pm, pl, pacc);                                   \
