@@ -15,7 +15,7 @@ operations per new token, not a scan of the context.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 METHODS = ("ngram",)
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -72,9 +72,6 @@ class SpeculativeConfig:
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         low, high = (low if low is not None else high or 5), (high if high is not None else low or 5)
         return cls(**{**value, "prompt_lookup_min": low, "prompt_lookup_max": high})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class NgramIndex:
