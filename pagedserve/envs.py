@@ -20,6 +20,7 @@ Tests change settings with `override(...)`, which also clears what was derived f
 | PAGEDSERVE_BF16_LINEAR | auto | bf16 CPU linears: auto, native (linear_bf16.c), torch |
 | PAGEDSERVE_NATIVE_ELEMENTWISE | 1 | 0: torch's RMSNorm, SiLU-and-mul and RoPE on CPU |
 | PAGEDSERVE_PREPACK | 1 | 0: no prepacked CPU linear weights (plain F.linear) |
+| PAGEDSERVE_CPU_DECODE_REPLAY | 1 | 0: CPU decode steps run eagerly, not replayed (workers/cpu_decode_replay.py) |
 | PAGEDSERVE_NATIVE_CFLAGS | (none) | extra C compiler flags for the native kernels |
 | CC | gcc or cc | the C compiler of the native kernels |
 | PAGEDSERVE_STEP_TRACE | (none) | a file: a JSON line per step, its time split across the processes (scripts/step_budget.py) |
@@ -60,6 +61,7 @@ class Environment:
     bf16_linear: str = "auto"
     native_elementwise: bool = True
     prepack: bool = True
+    cpu_decode_replay: bool = True
     native_cflags: str = ""
     cc: str = ""
     step_trace: str = ""
@@ -101,6 +103,7 @@ _VARIABLES = {
     "decode_cpu": "PAGEDSERVE_DECODE_CPU", "attention_threads": "PAGEDSERVE_ATTENTION_THREADS",
     "fp32_linear": "PAGEDSERVE_FP32_LINEAR", "bf16_linear": "PAGEDSERVE_BF16_LINEAR",
     "native_elementwise": "PAGEDSERVE_NATIVE_ELEMENTWISE", "prepack": "PAGEDSERVE_PREPACK",
+    "cpu_decode_replay": "PAGEDSERVE_CPU_DECODE_REPLAY",
     "native_cflags": "PAGEDSERVE_NATIVE_CFLAGS", "cc": "CC",
     "step_trace": "PAGEDSERVE_STEP_TRACE", "ready_timeout": "PAGEDSERVE_READY_TIMEOUT",
     "drain_timeout": "PAGEDSERVE_DRAIN_TIMEOUT", "start_timeout": "PAGEDSERVE_START_TIMEOUT",

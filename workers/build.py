@@ -92,12 +92,13 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     runner = ModelRunner(model_config, cfg.model.model, dtype, device, cfg.cache.block_size,
                          runner_blocks, rank, tp, cache_dtype,
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
-                         else cfg.scheduling.max_num_seqs, quantization=quantization)
+                         else cfg.scheduling.max_num_seqs, quantization=quantization,
+                         cpu_replay=not cfg.parallel.enforce_eager)
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
                       swap_shm_name=cfg.ipc.swap_segment(rank) if shared_swap else None)
     if cfg.env.step_trace and rank == 0:
         from pagedserve.workers.step_trace import StepProfiler
-        core.profiler = StepProfiler(runner.model)
+        core.profiler = StepProfiler(runner.model, runner.cpu_replay)
     return core, runner_blocks, num_cpu_blocks

@@ -14,6 +14,8 @@ import torch
 from pagedserve import envs
 from pagedserve.kernels import paths as kernel_paths
 from pagedserve.kernels.kv_format import check_storage
+from pagedserve.workers.cpu_decode_replay import CpuDecodeReplay
+from pagedserve.workers.cpu_decode_replay import unsupported_reason as replay_unsupported
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
 from pagedserve.workers.kv_cache import allocate_kv_cache
@@ -79,14 +81,17 @@ class ModelRunner:
                  device: torch.device | str, block_size: int, num_blocks: int,
                  tp_rank: int = 0, tp_size: int = 1,
                  kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", cpu_replay: bool = True) -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
         `quantization`: auto (a quantized checkpoint's format kept as stored, else none), none
         (dequantized at load), int8 (CPU, fp32: kernels/native_linear_q8.py), or the
         checkpoint's format by name (gguf, awq, gptq).
         `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
-        sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager."""
+        sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager.
+        `cpu_replay`: on CPU, decode-only steps of up to cpu_decode_replay.MAX_BATCH sequences
+        replay their native kernel calls (workers/cpu_decode_replay.py) where the model allows
+        and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager (--enforce-eager)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
@@ -121,6 +126,14 @@ class ModelRunner:
             max_blocks = -(-config.max_position_embeddings // block_size)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
                                               max_blocks)
+        self.cpu_replay: CpuDecodeReplay | None = None
+        if self.device.type == "cpu" and cpu_replay and envs.current().cpu_decode_replay:
+            reason = replay_unsupported(self.model, self.kv_cache)
+            if reason is None:
+                self.cpu_replay = CpuDecodeReplay(
+                    self.model, self.kv_cache, -(-config.max_position_embeddings // block_size))
+            log.info("CPU decode replay rank %d: %s", tp_rank,
+                     "on" if reason is None else f"off ({reason})")
         log.info("kernels rank %d (%s, %s, %s cache): %s", tp_rank, self.device.type, dtype,
                  self.kv_cache_dtype, kernel_paths.describe(kernel_paths.kernel_paths(
                      self.device, dtype, quantization, self.kv_cache_dtype, config.head_dim,
@@ -144,6 +157,14 @@ class ModelRunner:
             if len(arrays.sample_rows) == len(items):
                 return logits
             return logits[self._to_device(arrays.sample_rows)]
+        replay = self.cpu_replay
+        if replay is not None and arrays.num_decode == len(items) \
+                and replay.fits(len(items), arrays.tables.shape[1]):
+            hidden = replay.run(arrays.tokens, arrays.positions, arrays.slots, arrays.tables,
+                                arrays.context_lens)
+            if len(arrays.sample_rows) < len(items):
+                hidden = hidden[torch.from_numpy(arrays.sample_rows)]
+            return self.model.compute_logits(hidden)
         step = self._tensors(arrays)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         if step.sample_rows.numel() == 0:

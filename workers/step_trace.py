@@ -5,20 +5,28 @@ per step, the time spent in the linears (matmuls) and in attention proper (each 
 module's time less that of its own projections); the worker reports them with the forward's
 and the sampling's totals in StepResult.timings, and the scheduler writes them to the trace
 (pipeline/scheduler/process.py). The hooks cost a few microseconds a module, so a traced step
-is a little slower than an untraced one: compare traced runs with traced runs.
+is a little slower than an untraced one: compare traced runs with traced runs. Decode steps that
+replay natively (workers/cpu_decode_replay.py) call no module: the replay times its own kernel
+calls by kind, and those add in.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from torch import nn
+
+from pagedserve.kernels.native_replay import OP_KINDS
 
 from pagedserve.workers.models.decoder import DecoderAttention
 from pagedserve.workers.models.layers import PackableLinear
 
 
 class StepProfiler:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, replay=None) -> None:
+        self.replay = replay   # a CpuDecodeReplay (or None): it times its kernel calls
+        if replay is not None:
+            replay.seconds = np.zeros(OP_KINDS)
         self.seconds = {"linear": 0.0, "attention": 0.0, "projection": 0.0}
         projections = {id(m) for a in model.modules() if isinstance(a, DecoderAttention)
                        for m in a.modules() if isinstance(m, PackableLinear)}
@@ -51,4 +59,7 @@ class StepProfiler:
                "attention_ms": (s["attention"] - s["projection"]) * 1e3}
         for key in s:
             s[key] = 0.0
+        if self.replay is not None:
+            for key, ms in self.replay.take_seconds().items():
+                out[key] += ms
         return out

@@ -169,3 +169,30 @@ def test_each_library_exports_exactly_its_declared_functions(name):
                              capture_output=True, text=True, check=True).stdout
     functions = {line.split()[-1] for line in symbols.splitlines() if line.split()[1] == "T"}
     assert functions == set(FEATURES[name].signatures)
+
+
+# replay.c's function pointer types -> the kernels each calls (kernels/native_replay.py)
+_REPLAY_TYPEDEFS = {"norm_fn": ("rms_norm_f32",), "silu_fn": ("silu_mul_f32",),
+                    "gguf_fn": ("gguf_linear",), "gguf_packed_fn": ("gguf_packed_linear",),
+                    "linear_f32_fn": ("linear_f32",), "linear_q8_fn": ("linear_q8",),
+                    "rope_store_fn": ("rope_store",),
+                    "decode_fn": ("paged_decode_f32", "paged_decode_bf16", "paged_decode_e4m3",
+                                  "paged_decode_e5m2")}
+_TYPEDEF = re.compile(r"typedef\s+(?P<ret>[\w\s]+?)\s*\(\s*\*\s*(?P<name>\w+)\s*\)\s*"
+                      r"\((?P<params>[^()]*)\)\s*;")
+
+
+def test_the_replay_calls_each_kernel_with_its_declared_prototype(compiler):
+    from pagedserve.kernels import native_replay
+    declared = {name: sig for feature in FEATURES.values()
+                for name, sig in feature.signatures.items()}
+    typedefs = {m["name"]: (_ctype(m["ret"], named=False),
+                            tuple(_ctype(p, named=False) for p in m["params"].split(",")))
+                for m in _TYPEDEF.finditer(_preprocessed("replay.c", compiler))}
+    assert set(typedefs) == set(_REPLAY_TYPEDEFS)
+    for typedef, kernels in _REPLAY_TYPEDEFS.items():
+        for kernel in kernels:
+            assert typedefs[typedef] == declared[kernel], (typedef, kernel)
+    for kind, (feature, kernel) in native_replay.KERNELS.items():
+        assert native_replay.ARITY[kind] == len(FEATURES[feature].signatures[kernel][1]), kernel
+    assert native_replay.ARITY[native_replay.DECODE] == len(declared["paged_decode_f32"][1])

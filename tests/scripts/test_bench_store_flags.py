@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 SCRIPTS = ["bench_scheduler", "bench_kvmanager", "bench_kernels", "bench_step",
-           "bench_throughput", "bench_serving", "compare_llama_server"]
+           "bench_throughput", "bench_serving", "compare_llama_server", "bench_decode_replay"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -70,3 +70,13 @@ def test_bench_kvmanager_stores_its_result(tmp_path, monkeypatch):
     (stored,) = (tmp_path / "results" / "bench_kvmanager").glob("*.json")
     assert json.loads(stored.read_text())["result"] == result
     assert "seeded uniform sample of 150" in result["sharegpt_sample"]
+
+
+def test_bench_decode_replay_times_both_ways_with_the_same_logits(capsys):
+    import bench_decode_replay
+    report = bench_decode_replay.main(["--batch-sizes", "1,3", "--context", "40", "--steps", "2",
+                                       "--rounds", "2", "--no-store"])
+    assert [row["batch"] for row in report["batches"]] == [1, 3]
+    for row in report["batches"]:
+        assert row["same_logits"] and len(row["replay_runs_ms"]) == len(row["eager_runs_ms"]) == 2
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
