@@ -30,12 +30,17 @@ def serve(name: str, *extra: str):
     return group, sdk, model_dir
 
 
-def check_completions(sdk, model: str, model_dir, prompt: str) -> None:
-    tokenizer = load_tokenizer(model_dir)
-    expected = hf_greedy(model_dir, [tokenizer.encode(prompt)], max_new_tokens=12)[0]
+def check_completions(sdk, model: str, model_dir, prompt: str, answer: str | None = None) -> None:
+    """Greedy equals transformers' (or, with `answer`, contains it), n=2 with logprobs, a stop
+    string."""
     greedy = sdk.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
-    assert greedy.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    if answer is None:
+        tokenizer = load_tokenizer(model_dir)
+        expected = hf_greedy(model_dir, [tokenizer.encode(prompt)], max_new_tokens=12)[0]
+        assert greedy.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    else:
+        assert answer in greedy.choices[0].text, greedy.choices[0].text
     two = sdk.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.8,
                                  seed=5, n=2, logprobs=2)
     assert [c.index for c in two.choices] == [0, 1]
@@ -150,11 +155,13 @@ def test_qwen_answers_from_a_tool_result(qwen):
 
 def test_gemma_base_model_serves_completions_and_refuses_chat():
     name = "gemma-3-270m"
-    group, sdk, model_dir = serve(name, "--quantization", "none")   # greedy = transformers
+    # its weights kept quantized (the default): greedy equality with transformers in fp32 is
+    # tests/workers/test_model_builtins.py's; here the served answer is checked
+    group, sdk, model_dir = serve(name)
     try:
         r = httpx.post(f"http://127.0.0.1:{group.port}/v1/chat/completions", timeout=60,
                        json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
-        check_completions(sdk, name, model_dir, "The capital of France is")
+        check_completions(sdk, name, model_dir, "The capital of France is", answer="Paris")
     finally:
         assert group.close() == 0

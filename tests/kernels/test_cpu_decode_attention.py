@@ -124,13 +124,12 @@ def test_env_var_selects_the_decode_path_in_a_fresh_process():
             "print(kernels.cpu_decode_kernel().__name__)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     seen = []
-    for value in ("ref", "bucketed", "native", None, "fast"):
-        env = dict(os.environ, PAGEDSERVE_DECODE_CPU=value or "")
-        if value is None:
-            del env["PAGEDSERVE_DECODE_CPU"]
+    # one value other than the default, and a bad one (test_setting_selects_the_decode_path
+    # covers every value in-process): each fresh process costs an import of torch
+    for value in ("bucketed", "fast"):
+        env = dict(os.environ, PAGEDSERVE_DECODE_CPU=value)
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, timeout=120, cwd=root)
         seen.append(result.stdout.strip() if result.returncode == 0 else result.stderr)
-    assert seen[:4] == ["paged_decode_attention_ref", "paged_decode_attention_cpu",
-                        "_decode_native", "_decode_native"]
-    assert "Error: PAGEDSERVE_DECODE_CPU='fast': expected one of native, bucketed, ref" in seen[4]
+    assert seen[0] == "paged_decode_attention_cpu"
+    assert "Error: PAGEDSERVE_DECODE_CPU='fast': expected one of native, bucketed, ref" in seen[1]
