@@ -414,9 +414,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="compute threads per CPU worker rank (default: the usable cores, split "
                         "between the ranks, at least 1; $OMP_NUM_THREADS overrides)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly (default: decode-only steps replay captured "
-                        "CUDA graphs on CUDA, of up to --max-num-seqs sequences, and their "
-                        "recorded native kernel calls on CPU, of up to 16)")
+                   help="run every step eagerly (default: on CUDA, decode-only steps of up to "
+                        "--max-num-seqs sequences replay captured CUDA graphs; on CPU, steps of "
+                        "up to 32 tokens replay their recorded native kernel calls)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this host's place: 0 runs the whole group, others only their ranks")

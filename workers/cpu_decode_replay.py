@@ -1,17 +1,22 @@
-"""CPU decode steps replayed natively: every kernel call of a decode-only step recorded once per
-batch size, over static buffers, and made by one native call (kernels/native_replay.py).
+"""CPU steps of few tokens replayed natively: every kernel call of a step of N token rows recorded
+once per N, over static buffers, and made by one native call (kernels/native_replay.py).
 
 The eager forward of a small model on a CPU spends as much time in Python as in its kernels:
 SmolLM2-135M's 30 layers make ~300 native calls a token, each behind a wrapper that checks its
 tensors, allocates its output and converts its arguments (~10-40 us apiece against kernels of a
 few). Here the same kernels are called with the same arguments in the same order, so a replayed
-step computes the eager step's logits bit for bit (tests/workers/test_cpu_decode_replay.py);
+step computes the eager step's logits and cache bit for bit (tests/workers/test_cpu_decode_replay.py);
 only the Python between them is gone.
 
-Like the CUDA graphs (cuda_graphs.py) a recorded step reads its inputs from static buffers:
-each step writes its embeddings, RoPE rows, slots, block tables and context lengths there. The
-partition count of each layer's attention, which the eager call derives from the longest
-context, is the one argument set per step. The LM head and the sampler stay eager (one call).
+A step's rows are its tokens, decode rows first: decodes, a speculative step's drafts, a short
+prefill chunk. On CPU the eager forward already attends every row as a decode query over its own
+sequence's blocks up to its own position (models/attention.py: a decode call for single-token
+sequences, one for the other rows), and that kernel's result for a row depends on the row alone,
+so the replay attends all rows in one call. Like the CUDA graphs (cuda_graphs.py) a recorded step
+reads its inputs from static buffers: each step writes its embeddings, RoPE rows, slots, each
+row's block table and context there. The partition cap of each layer's attention, which the eager
+call derives from the longest context, is the one argument set per step. The LM head and the
+sampler stay eager (one call each).
 
 What is replayed: one rank (no all-reduce), fp32 activations, a model made of the plain pre-norm
 `DecoderLayer` with RMSNorm and SiLU and no q/k norms (Llama, Mistral, Qwen2, SmolLM2), native
@@ -35,7 +40,7 @@ from pagedserve.workers.models.decoder import DecoderLayer
 from pagedserve.workers.models.layers import (PackableLinear, RMSNorm, native_cpu_elementwise,
                                               silu_and_mul)
 
-MAX_BATCH = 16      # decode steps of up to this many sequences replay
+MAX_ROWS = 32       # steps of up to this many token rows replay
 _ROPE_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KINDS = (replay.GGUF_LINEAR, replay.GGUF_PACKED, replay.LINEAR_F32, replay.LINEAR_Q8)
 _ATTENTION_KINDS = (replay.ROPE_STORE, replay.DECODE)
@@ -109,59 +114,62 @@ class _Buffers:
 
 
 class CpuDecodeReplay:
-    """Decode-only steps of up to `max_batch` sequences, each batch size recorded on first use."""
+    """Steps of up to `max_rows` token rows, each row count recorded on first use."""
 
     def __init__(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, max_blocks: int,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_rows: int = MAX_ROWS) -> None:
         reason = unsupported_reason(model, kv_cache)
         if reason is not None:
             raise ValueError(f"CPU decode replay: {reason}")
-        if max_batch < 1 or max_blocks < 1:
-            raise ValueError(f"CPU decode replay needs max_batch and max_blocks >= 1, got "
-                             f"{max_batch} and {max_blocks}")
+        if max_rows < 1 or max_blocks < 1:
+            raise ValueError(f"CPU decode replay needs max_rows and max_blocks >= 1, got "
+                             f"{max_rows} and {max_blocks}")
         self.model, self.kv_cache = model, kv_cache
-        self.max_batch, self.max_blocks = max_batch, max_blocks
-        self.buffers = _Buffers(model, max_batch, max_blocks)
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.buffers = _Buffers(model, max_rows, max_blocks)
         self.block_size = kv_cache.shape[3]
         self.part_tokens = max(1, attention.PART_TOKENS // self.block_size) * self.block_size
         self.windows = sorted({layer.self_attn.window for layer in model.layers})
-        # by (batch, threads, attention threads, build variant): the program and its attention
+        # by (rows, threads, attention threads, build variant): the program and its attention
         # ops by window
-        self._programs: dict[tuple[int, int, int], tuple[replay.Program, dict]] = {}
+        self._programs: dict[tuple[int, int, int, str], tuple[replay.Program, dict]] = {}
         self.seconds: np.ndarray | None = None   # set: per-kind op times are added (traces)
 
-    def fits(self, batch: int, width: int) -> bool:
-        """Whether a decode-only step of this shape replays (under the current settings: a
-        setting changed since the runner was built takes the step back to the eager path)."""
+    def fits(self, rows: int, width: int) -> bool:
+        """Whether a step of `rows` token rows over block tables `width` wide replays (under the
+        current settings: one changed since the runner was built sends the step back to the
+        eager path)."""
         settings = envs.current()
-        return 1 <= batch <= self.max_batch and width <= self.max_blocks \
+        return 1 <= rows <= self.max_rows and width <= self.max_blocks \
             and settings.cpu_decode_replay and settings.native_elementwise \
             and settings.decode_cpu == "native"
 
     @torch.inference_mode()
     def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            tables: np.ndarray, context_lens: np.ndarray) -> torch.Tensor:
-        """The final hidden states [batch, hidden] (norm applied) of one decode-only step, every
-        row one sequence's token (a view of a static buffer, valid until the next run)."""
-        batch, width = tables.shape
-        if not self.fits(batch, width):
-            raise ValueError(f"CPU decode replay: a step of {batch} sequences x {width} blocks "
-                             f"does not fit {self.max_batch} x {self.max_blocks}")
+            tables: np.ndarray) -> torch.Tensor:
+        """The final hidden states [rows, hidden] (norm applied) of one step: row r computes
+        tokens[r] at positions[r] into slots[r], attending to its sequence's keys 0 ..
+        positions[r] through block table tables[r] (the caller's rows in the eager forward's
+        order). A view of a static buffer, valid until the next run."""
+        rows, width = tables.shape
+        if not self.fits(rows, width):
+            raise ValueError(f"CPU decode replay: a step of {rows} rows x {width} blocks does "
+                             f"not fit {self.max_rows} x {self.max_blocks}")
         b, model = self.buffers, self.model
-        b.residual[:batch] = model.embed(torch.from_numpy(tokens))
+        b.residual[:rows] = model.embed(torch.from_numpy(tokens))
         pos = torch.from_numpy(positions)
         for table, cos, sin in zip(model.ropes.tables, b.cos, b.sin):
-            torch.index_select(table.cos, 0, pos, out=cos[:batch])
-            torch.index_select(table.sin, 0, pos, out=sin[:batch])
-        b.slots[:batch] = torch.from_numpy(slots)
-        b.tables[:batch, :width] = torch.from_numpy(tables)
-        b.context_lens[:batch] = torch.from_numpy(context_lens)
-        program, by_window = self._program(batch)
-        longest = int(context_lens.max())
+            torch.index_select(table.cos, 0, pos, out=cos[:rows])
+            torch.index_select(table.sin, 0, pos, out=sin[:rows])
+        b.slots[:rows] = torch.from_numpy(slots)
+        b.tables[:rows, :width] = torch.from_numpy(tables)
+        b.context_lens[:rows] = torch.from_numpy(positions + 1)
+        program, by_window = self._program(rows)
+        longest = int(positions.max()) + 1
         for window, ops in by_window.items():
             program.set_arg(ops, 20, self._max_parts(longest, window))
         program.run(self.seconds)
-        return b.out[:batch]
+        return b.out[:rows]
 
     def take_seconds(self) -> dict[str, float]:
         """Milliseconds since the last take in the replay's linears and attention (rope + store
@@ -175,16 +183,17 @@ class CpuDecodeReplay:
         return out
 
     def _max_parts(self, longest: int, window: int) -> int:
-        """The partition cap the eager call passes (native_decode_attention.DecodeCall)."""
+        """The partition cap the eager call passes (native_decode_attention.DecodeCall). A row's
+        partitions follow from its own context alone, so this only bounds the tasks."""
         if window > 0:
             longest = min(longest, window + self.block_size - 1)
         return max(min(attention.MAX_PARTS, -(-longest // self.part_tokens)), 1)
 
-    def _program(self, batch: int) -> tuple[replay.Program, dict]:
-        key = (batch, torch.get_num_threads(), attention._thread_count(), native.variant())
+    def _program(self, rows: int) -> tuple[replay.Program, dict]:
+        key = (rows, torch.get_num_threads(), attention._thread_count(), native.variant())
         found = self._programs.get(key)
         if found is None:
-            found = self._programs[key] = _Recorder(self, batch).record()
+            found = self._programs[key] = _Recorder(self, rows).record()
         return found
 
 
@@ -193,10 +202,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class _Recorder:
-    """Records one batch size's step: the calls the eager forward makes, in its order."""
+    """Records the step of one row count: the calls the eager forward makes, in its order."""
 
-    def __init__(self, owner: CpuDecodeReplay, batch: int) -> None:
-        self.owner, self.batch, self.b = owner, batch, owner.buffers
+    def __init__(self, owner: CpuDecodeReplay, rows: int) -> None:
+        self.owner, self.rows, self.b = owner, rows, owner.buffers
         self.threads = torch.get_num_threads()
         self.program = replay.Program()
         self.attention_ops: dict[int, list[int]] = {w: [] for w in owner.windows}
@@ -225,7 +234,7 @@ class _Recorder:
                    layer.post_attention_layernorm, b.normed)
         self._linear(f"layer {i} gate_up_proj", mlp.gate_up_proj, b.normed, b.gate_up)
         self.program.add(replay.SILU_MUL, f"layer {i} silu_mul", _ptr(b.gate_up),
-                         b.gate_up.shape[1], self.batch, b.act.shape[1], _ptr(b.act),
+                         b.gate_up.shape[1], self.rows, b.act.shape[1], _ptr(b.act),
                          b.act.shape[1], self.threads)
         self._linear(f"layer {i} down_proj", mlp.down_proj, b.act, b.mlp_out)
 
@@ -234,13 +243,13 @@ class _Recorder:
         width = x.shape[1]
         self.program.add(replay.RMS_NORM, name, _ptr(x), width,
                          None if residual is None else _ptr(residual), 0 if residual is None
-                         else width, _ptr(norm.weight), replay.F32(norm.eps), self.batch, width,
+                         else width, _ptr(norm.weight), replay.F32(norm.eps), self.rows, width,
                          _ptr(out), width, self.threads)
 
     def _linear(self, name: str, linear: PackableLinear, x: torch.Tensor,
                 out: torch.Tensor) -> None:
         """The eager matmul's calls (PackableLinear.matmul), then its bias."""
-        m, k, ldo, add = self.batch, x.shape[1], out.shape[1], self.program.add
+        m, k, ldo, add = self.rows, x.shape[1], out.shape[1], self.program.add
         if linear.quantized is not None:
             for offset, w in linear.quantized.stored:
                 dst = _ptr(out) + 4 * offset
@@ -271,7 +280,7 @@ class _Recorder:
         num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
         stride = k_cache.stride()
         self.program.add(
-            replay.ROPE_STORE, f"layer {i} rope_store", _ptr(b.qkv), 0, self.batch,
+            replay.ROPE_STORE, f"layer {i} rope_store", _ptr(b.qkv), 0, self.rows,
             b.qkv.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             _ptr(b.cos[table]), _ptr(b.sin[table]), attn.head_dim // 2, _ptr(b.q),
             _ptr(k_cache), _ptr(v_cache), num_blocks * block_size, block_size, stride[0],
@@ -285,7 +294,7 @@ class _Recorder:
             replay.DECODE, f"layer {i} decode attention", _ptr(b.q), _ptr(b.attn),
             _ptr(k_cache), _ptr(v_cache), stride[0], stride[1], stride[2], k_cache.shape[0],
             _ptr(b.tables), b.tables.stride(0), b.tables.shape[1], _ptr(b.context_lens),
-            self.batch, attn.num_heads, attn.num_kv_heads, attn.head_dim, k_cache.shape[1],
+            self.rows, attn.num_heads, attn.num_kv_heads, attn.head_dim, k_cache.shape[1],
             replay.F32(attn.scale), max(attn.window, 0), self.owner.part_tokens,
             attention.MAX_PARTS, _ptr(b.workspace), attention._thread_count(), fn=fn)
         self.attention_ops[attn.window].append(index)

@@ -89,8 +89,8 @@ class ModelRunner:
         checkpoint's format by name (gguf, awq, gptq).
         `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
         sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager.
-        `cpu_replay`: on CPU, decode-only steps of up to cpu_decode_replay.MAX_BATCH sequences
-        replay their native kernel calls (workers/cpu_decode_replay.py) where the model allows
+        `cpu_replay`: on CPU, steps of up to cpu_decode_replay.MAX_ROWS tokens (decodes, drafts,
+        short prefill chunks) replay their native kernel calls (workers/cpu_decode_replay.py) where the model allows
         and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager (--enforce-eager)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
@@ -158,12 +158,14 @@ class ModelRunner:
                 return logits
             return logits[self._to_device(arrays.sample_rows)]
         replay = self.cpu_replay
-        if replay is not None and arrays.num_decode == len(items) \
-                and replay.fits(len(items), arrays.tables.shape[1]):
-            hidden = replay.run(arrays.tokens, arrays.positions, arrays.slots, arrays.tables,
-                                arrays.context_lens)
-            if len(arrays.sample_rows) < len(items):
-                hidden = hidden[torch.from_numpy(arrays.sample_rows)]
+        if replay is not None and replay.fits(len(arrays.tokens), arrays.tables.shape[1]):
+            tables = arrays.tables if arrays.num_decode == len(items) \
+                else arrays.tables[arrays.seq_of_row]            # each row's sequence's table
+            hidden = replay.run(arrays.tokens, arrays.positions, arrays.slots, tables)
+            if len(arrays.sample_rows) == 0:
+                return torch.empty(0, self.config.vocab_size, device=self.device)
+            if arrays.num_decode < len(items) or len(arrays.sample_rows) < len(items):
+                hidden = hidden[torch.from_numpy(arrays.sample_rows)]   # item order, drafts
             return self.model.compute_logits(hidden)
         step = self._tensors(arrays)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)

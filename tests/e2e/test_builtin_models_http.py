@@ -162,6 +162,7 @@ def test_gemma_base_model_serves_completions_and_refuses_chat():
         r = httpx.post(f"http://127.0.0.1:{group.port}/v1/chat/completions", timeout=60,
                        json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
-        check_completions(sdk, name, model_dir, "The capital of France is", answer="Paris")
+        check_completions(sdk, name, model_dir, "The capital of France is the city of",
+                          answer="Paris")
     finally:
         assert group.close() == 0

@@ -1,6 +1,7 @@
-"""CPU decode replay (workers/cpu_decode_replay.py): a replayed decode step computes the eager
-step's logits and KV cache bit for bit, on every linear kernel, cache dtype and window it runs;
-what it cannot run stays eager, with the reason; a kernel's failure names its op."""
+"""CPU decode replay (workers/cpu_decode_replay.py): a replayed step (decodes, drafts, short
+prefill chunks) computes the eager step's logits and KV cache bit for bit, on every linear
+kernel, cache dtype and window it runs; what it cannot run stays eager, with the reason; a
+kernel's failure names its op."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from pagedserve import envs
 from pagedserve.kernels import native_replay as replay
-from pagedserve.workers.cpu_decode_replay import MAX_BATCH, unsupported_reason
+from pagedserve.workers.cpu_decode_replay import MAX_ROWS, unsupported_reason
 from pagedserve.workers.loader import TEST_MODEL, load_config, resolve_model
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.testing import make_tiny_model
@@ -39,18 +40,10 @@ def make_runner(model_dir, quantization="auto", kv_dtype=None, num_blocks=160):
                        num_blocks, kv_cache_dtype=kv_dtype, quantization=quantization)
 
 
-def decode_both_ways(runner: ModelRunner, prompt_lens: list[int], steps: int, vocab: int,
-                     seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Prefill random prompts, then the same `steps` decode steps from the same cache, replayed
-    and eager: each way's logits of every step and its final cache."""
-    rng = np.random.default_rng(seed)
-    needs = [-(-(n + steps) // BLOCK) for n in prompt_lens]
-    ends = np.cumsum(needs).tolist()
-    assert ends[-1] <= runner.num_blocks
-    tables = [list(range(end - need, end))[::-1] for need, end in zip(needs, ends)]
-    runner.execute([SeqStep(rng.integers(3, vocab, n).tolist(), 0, table, True)
-                    for n, table in zip(prompt_lens, tables)])
-    tokens = rng.integers(3, vocab, (steps, len(prompt_lens)))
+def both_ways(runner: ModelRunner, steps: list[list[SeqStep]]
+              ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The same steps from the same cache, replayed and eager: each way's logits of every step
+    (concatenated) and its final cache."""
     start = runner.kv_cache.clone()
     recorded = runner.cpu_replay
     assert recorded is not None, "the runner does not replay: the comparison would be vacuous"
@@ -58,13 +51,32 @@ def decode_both_ways(runner: ModelRunner, prompt_lens: list[int], steps: int, vo
     for way in ("replay", "eager"):
         runner.kv_cache.copy_(start)
         runner.cpu_replay = recorded if way == "replay" else None
-        logits = [runner.execute([SeqStep([int(tokens[s, i])], n + s, tables[i], True)
-                                  for i, n in enumerate(prompt_lens)]).clone()
-                  for s in range(steps)]
-        outcome[way] = (torch.stack(logits), runner.kv_cache.clone())
+        logits = [runner.execute(step).clone() for step in steps]
+        outcome[way] = (torch.cat(logits), runner.kv_cache.clone())
     runner.cpu_replay = recorded
-    assert any(key[0] == len(prompt_lens) for key in recorded._programs), "never replayed"
+    rows = {sum(len(item.token_ids) for item in step) for step in steps}
+    assert rows & {key[0] for key in recorded._programs}, "never replayed"
     return outcome
+
+
+def block_tables(lengths: list[int]) -> list[list[int]]:
+    """Disjoint tables for sequences of these lengths, each one's blocks in reverse order."""
+    needs = [-(-n // BLOCK) for n in lengths]
+    ends = np.cumsum(needs).tolist()
+    return [list(range(end - need, end))[::-1] for need, end in zip(needs, ends)]
+
+
+def decode_both_ways(runner: ModelRunner, prompt_lens: list[int], steps: int, vocab: int,
+                     seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill random prompts, then `steps` decode steps of every sequence, both ways."""
+    rng = np.random.default_rng(seed)
+    tables = block_tables([n + steps for n in prompt_lens])
+    assert sum(map(len, tables)) <= runner.num_blocks
+    runner.execute([SeqStep(rng.integers(3, vocab, n).tolist(), 0, table, True)
+                    for n, table in zip(prompt_lens, tables)])
+    tokens = rng.integers(3, vocab, (steps, len(prompt_lens)))
+    return both_ways(runner, [[SeqStep([int(tokens[s, i])], n + s, tables[i], True)
+                               for i, n in enumerate(prompt_lens)] for s in range(steps)])
 
 
 def recorded_kinds(runner: ModelRunner) -> set[int]:
@@ -101,22 +113,50 @@ def test_the_default_model_replays_its_gguf_blocks_bit_for_bit():
     assert recorded_kinds(runner) & {replay.GGUF_LINEAR, replay.GGUF_PACKED}
 
 
+def test_steps_of_several_tokens_a_sequence_replay_bit_for_bit(tiny_dirs):
+    """Drafts (a sequence's next token and k guesses, each row's logits wanted), short prefill
+    chunks (the first of a prompt, a later one, one that does not sample) and decodes, mixed."""
+    runner = make_runner(tiny_dirs["qwen2"], "int8")
+    rng = np.random.default_rng(5)
+    tables = block_tables([700, 60, 60, 40])
+    runner.execute([SeqStep(rng.integers(3, 512, 600).tolist(), 0, tables[0], True)])
+    runner.execute([SeqStep(rng.integers(3, 512, 30).tolist(), 0, tables[1], True)])
+
+    def tokens(n):
+        return rng.integers(3, 512, n).tolist()
+    steps = [
+        [SeqStep(tokens(5), 600, tables[0], True, num_drafts=4),       # drafts past 512
+         SeqStep(tokens(1), 30, tables[1], True),
+         SeqStep(tokens(9), 0, tables[2], False)],                     # a chunk, no sample
+        [SeqStep(tokens(1), 605, tables[0], True),
+         SeqStep(tokens(3), 31, tables[1], True, num_drafts=2),
+         SeqStep(tokens(12), 9, tables[2], True),                      # the prompt's last chunk
+         SeqStep(tokens(7), 0, tables[3], True)],
+        [SeqStep(tokens(4), 606, tables[0], True, num_drafts=3)],
+        # every row samples, and the drafts' item comes before the decode's (rows are not in
+        # item order): the engine's steady speculation
+        [SeqStep(tokens(3), 610, tables[0], True, num_drafts=2),
+         SeqStep(tokens(1), 34, tables[1], True)]]
+    outcome = both_ways(runner, steps)
+    assert outcome["replay"][0].shape[0] == 5 + 1 + 0 + 1 + 3 + 1 + 1 + 4 + 3 + 1
+    assert_identical(outcome)
+
+
 def test_steps_it_does_not_replay_run_eagerly(tiny_dirs):
     runner = make_runner(tiny_dirs["llama"], "int8")
     calls = []
     # counts the replayed steps (their hidden states are zeros)
     runner.cpu_replay.run = lambda *args: calls.append(args) or torch.zeros(1, 64)
     table = list(range(8))
-    runner.execute([SeqStep([5, 6, 7], 0, table, True)])                     # a prefill
-    runner.execute([SeqStep([8], 3, table, True), SeqStep([4, 5], 0, list(range(8, 16)), True)])
-    big = [SeqStep([3], 0, [16 + i], True) for i in range(MAX_BATCH + 1)]   # past MAX_BATCH
-    assert runner.execute(big).shape == (MAX_BATCH + 1, 512)
+    runner.execute([SeqStep(list(range(3, 3 + MAX_ROWS + 1)), 0, table, True)])  # a long chunk
+    many = [SeqStep([3], 0, [16 + i], True) for i in range(MAX_ROWS + 1)]        # many decodes
+    assert runner.execute(many).shape == (MAX_ROWS + 1, 512)
     for setting in ({"native_elementwise": False}, {"cpu_decode_replay": False},
                     {"decode_cpu": "ref"}):   # changed after the runner was built
         with envs.override(**setting):
-            runner.execute([SeqStep([9], 4, table, True)])
+            runner.execute([SeqStep([9], MAX_ROWS + 1, table, True)])
     assert calls == []
-    runner.execute([SeqStep([9], 4, table, True)])
+    runner.execute([SeqStep([9], MAX_ROWS + 2, table, True)])
     assert len(calls) == 1
 
 
