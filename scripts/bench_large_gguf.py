@@ -19,6 +19,9 @@ Server class and the commands) is started alone and measured:
                   prompt timing where it reports one (llama-server's `timings`)
   decode_tok_s    one streamed request of 16 prompt tokens, max_tokens --decode-tokens (64)
                   with ignore_eos: (tokens - 1) / (last token - first token), client side
+  worker_rss_gib  ours only, after decoding: the worker process's RSS, against
+                  worker_bound_gib = the GGUF's size + its KV cache (the worker's log line)
+                  + 300 MB, the bound the quantized-weights issue sets (worker_within_bound)
 
 The prompts are token ids (the same for both servers; OpenAI's /v1/completions takes them), so
 no tokenizer is needed here and the prompt length is exact. One JSON object is printed last and
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import socket
 import sys
@@ -230,7 +234,7 @@ def decode(base_url: str, model: str, ids: list[int], max_tokens: int) -> dict:
             "decode_chunks": len(result.itl) + 1}
 
 
-def measure(server: cls.Server, args: argparse.Namespace, vocab: int) -> dict:
+def measure(server: cls.Server, args: argparse.Namespace, vocab: int, gguf_bytes: int) -> dict:
     memory = TreeMemory()
     # Others' load on a shared host slows both servers: kept beside the figures it explains
     run: dict = {"loadavg_1m_before": round(os.getloadavg()[0], 2)}
@@ -253,6 +257,8 @@ def measure(server: cls.Server, args: argparse.Namespace, vocab: int) -> dict:
         log(f"{server.name}: prompt {n_prompt} tokens in {elapsed:.2f} s")
         run.update(decode(server.base_url, model, prompt_ids(16, vocab, args.seed + 3),
                           args.decode_tokens))
+        if server.name == "pagedserve":
+            run.update(worker_memory(server, gguf_bytes))
     finally:
         run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
         run["stopped"] = server.stop()
@@ -260,6 +266,23 @@ def measure(server: cls.Server, args: argparse.Namespace, vocab: int) -> dict:
     run["peak_rss_gib"], run["peak_pss_gib"] = _gib(memory.peak_rss), _gib(memory.peak_pss)
     run["memory_samples"] = memory.samples
     return run
+
+
+_KV_MIB = re.compile(r"model runner rank 0/\d+: .* blocks of \d+ tokens \(([\d.]+) MiB\)")
+
+
+def worker_memory(server: cls.Server, gguf_bytes: int) -> dict:
+    """Our worker's RSS now, and the bound file + KV cache + 300 MB (KV from its log line)."""
+    import psutil
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "pagedserve.workers.process" in " ".join(p.cmdline())]
+    found = _KV_MIB.search(Path(server.log_path).read_text(errors="replace"))
+    if len(workers) != 1 or found is None:
+        return {"worker_rss_gib": None, "worker_bound_gib": None, "worker_within_bound": None}
+    rss = workers[0].memory_info().rss
+    bound = gguf_bytes + float(found.group(1)) * 2**20 + 300 * 2**20
+    return {"worker_rss_gib": _gib(rss), "worker_bound_gib": _gib(int(bound)),
+            "worker_within_bound": rss <= bound}
 
 
 def _gib(n: int) -> float:
@@ -341,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     for round_ in range(args.rounds):
         for side in (sides if round_ % 2 == 0 else sides[::-1]):
             server = servers[side]
-            run = {"round": round_, **measure(server, args, vocab)}
+            run = {"round": round_, **measure(server, args, vocab, gguf.stat().st_size)}
             runs[server.name].append(run)
             log(f"round {round_} {server.name}: load {run['load_s']} s, peak RSS "
                 f"{run['peak_rss_gib']} GiB (PSS {run['peak_pss_gib']}), prompt "
