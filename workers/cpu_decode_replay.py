@@ -289,7 +289,8 @@ class _Recorder:
     def _decode(self, i: int, attn) -> None:
         b, (k_cache, v_cache) = self.b, self._caches(i)
         stride = k_cache.stride()
-        fn = replay.address(attention.FEATURE, replay.DECODE_KERNELS[str(k_cache.dtype)[6:]])
+        kernel = replay.DECODE_KERNELS[str(k_cache.dtype).removeprefix("torch.")]
+        fn = replay.address(attention.FEATURE, kernel)
         index = self.program.add(
             replay.DECODE, f"layer {i} decode attention", _ptr(b.q), _ptr(b.attn),
             _ptr(k_cache), _ptr(v_cache), stride[0], stride[1], stride[2], k_cache.shape[0],
