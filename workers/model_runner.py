@@ -90,8 +90,9 @@ class ModelRunner:
         `cuda_graph_batch`: on CUDA with one rank, decode-only steps of up to this many
         sequences replay captured CUDA graphs (workers/cuda_graphs.py); 0: always eager.
         `cpu_replay`: on CPU, steps of up to cpu_decode_replay.MAX_ROWS tokens (decodes, drafts,
-        short prefill chunks) replay their native kernel calls (workers/cpu_decode_replay.py) where the model allows
-        and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager (--enforce-eager)."""
+        short prefill chunks) replay their native kernel calls (workers/cpu_decode_replay.py)
+        where the model allows and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager
+        (--enforce-eager)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
@@ -122,16 +123,15 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
                                           self.device, tp_size, tp_rank)
         self.decode_graphs: DecodeGraphs | None = None
+        max_blocks = -(-config.max_position_embeddings // block_size)   # a table row's width
         if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0:
-            max_blocks = -(-config.max_position_embeddings // block_size)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
                                               max_blocks)
         self.cpu_replay: CpuDecodeReplay | None = None
         if self.device.type == "cpu" and cpu_replay and envs.current().cpu_decode_replay:
             reason = replay_unsupported(self.model, self.kv_cache)
             if reason is None:
-                self.cpu_replay = CpuDecodeReplay(
-                    self.model, self.kv_cache, -(-config.max_position_embeddings // block_size))
+                self.cpu_replay = CpuDecodeReplay(self.model, self.kv_cache, max_blocks)
             log.info("CPU decode replay rank %d: %s", tp_rank,
                      "on" if reason is None else f"off ({reason})")
         log.info("kernels rank %d (%s, %s, %s cache): %s", tp_rank, self.device.type, dtype,

@@ -17,7 +17,6 @@ import numpy as np
 from torch import nn
 
 from pagedserve.kernels.native_replay import OP_KINDS
-
 from pagedserve.workers.models.decoder import DecoderAttention
 from pagedserve.workers.models.layers import PackableLinear
 
