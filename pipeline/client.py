@@ -74,11 +74,11 @@ class _Stream:
         """The AddRequest that continues this stream on a restarted scheduler, if possible."""
         received = [s.token_ids for s in self.samples]
         if not any(received):
-            return self.add
+            return msgspec.structs.replace(self.add, resubmitted=True)
         if len(self.samples) > 1:
             return None  # the n samples of one request can only be resumed together from scratch
         return msgspec.structs.replace(self.add, output_token_ids=[list(received[0])],
-                                       text_offsets=[self.samples[0].chars])
+                                       text_offsets=[self.samples[0].chars], resubmitted=True)
 
 
 class AsyncEngineClient:
@@ -98,6 +98,8 @@ class AsyncEngineClient:
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._instance: str | None = None  # the scheduler's; a new one means it restarted
+        self._answered = False  # the scheduler has answered a health call: _instance is known
+        self._learning: asyncio.Future | None = None  # asking for the instance, once at a time
         self._last_answer = time.monotonic()
         self._closed = False
         self.dispatcher = transport.Dispatcher("client", {
@@ -176,17 +178,44 @@ class AsyncEngineClient:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                result = await self.call("health", timeout=2 * HEARTBEAT_S)
+                self._observe(await self.call("health", timeout=2 * HEARTBEAT_S))
             except (asyncio.TimeoutError, RuntimeError):
-                if self._streams and time.monotonic() - self._last_answer > ENGINE_LOST_S:
-                    self._fail_all(RequestError(503, f"no answer from the engine's scheduler for "
-                                                     f"{ENGINE_LOST_S:.0f}s"))
-                continue
-            self._last_answer = time.monotonic()
-            instance = result.get("instance")
-            if self._instance is not None and instance != self._instance:
-                self._resubmit_all()
-            self._instance = instance
+                lost = self._engine_lost()
+                if self._streams and lost is not None:
+                    self._fail_all(lost)
+
+    def _engine_lost(self) -> RequestError | None:
+        if time.monotonic() - self._last_answer <= ENGINE_LOST_S:
+            return None
+        return RequestError(503, f"no answer from the engine's scheduler for {ENGINE_LOST_S:.0f}s")
+
+    def _observe(self, health: dict) -> None:
+        """A health answer from the scheduler: a new instance means it restarted and lost
+        what it held, so everything in flight is sent again."""
+        self._last_answer = time.monotonic()
+        instance = health.get("instance")
+        if self._answered and instance != self._instance:
+            self._resubmit_all()
+        self._instance, self._answered = instance, True
+
+    async def _known_instance(self) -> None:
+        """Until the scheduler has answered once. A request is only sent once the client knows
+        which scheduler instance takes it: sent earlier, a scheduler dying before the first
+        answer would take it along unnoticed (the first instance seen would be its successor)."""
+        if self._answered:
+            return
+        if self._learning is None or self._learning.done():
+            self._learning = asyncio.ensure_future(self._learn_instance())
+        await asyncio.shield(self._learning)
+
+    async def _learn_instance(self) -> None:
+        while not self._answered:
+            try:
+                self._observe(await self.call("health", timeout=2 * HEARTBEAT_S))
+            except (asyncio.TimeoutError, RuntimeError):
+                if (lost := self._engine_lost()) is not None:
+                    raise lost from None
+                await asyncio.sleep(0.1)  # an error answer comes at once: do not spin
 
     def _resubmit_all(self) -> None:
         for rid, st in list(self._streams.items()):
@@ -254,6 +283,7 @@ class AsyncEngineClient:
         self._streams[request_id] = st
         remaining = params.n
         try:
+            await self._known_instance()
             transport.send(self._frontend, st.add)
             while remaining:
                 item = await st.queue.get()
@@ -301,6 +331,7 @@ class AsyncEngineClient:
             result = await self.call("health", timeout)
         except (asyncio.TimeoutError, RuntimeError, RequestError):
             return False
+        self._observe(result)
         return bool(result.get("ok"))
 
 

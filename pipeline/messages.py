@@ -153,6 +153,9 @@ class AddRequest(msgspec.Struct, kw_only=True):
     # and the text length it has already shown for each.
     output_token_ids: list[list[int]] = []
     text_offsets: list[int] = []
+    # Sent again by a client that could not tell whether this scheduler has it (its socket
+    # reconnected to a restarted one): a scheduler that holds it from this client ignores it.
+    resubmitted: bool = False
 
 
 class Abort(msgspec.Struct):

@@ -133,6 +133,8 @@ class SchedulerService:
     # -- client messages ---------------------------------------------------------------------
     def on_add(self, client_id: bytes, msg: messages.AddRequest) -> None:
         self.seen(client_id)
+        if msg.resubmitted and self._holds(client_id, msg.request_id):
+            return  # the client could not tell whether we had it: we have
         if self.draining:
             self.send_to_client(client_id, messages.RequestRejected(
                 msg.request_id, 503, "the server is shutting down and accepts no new requests"))
@@ -147,6 +149,15 @@ class SchedulerService:
                 self.grammar_gate.hold(msg.request_id, spec, (client_id, msg))
                 return
         self._admit(client_id, msg)
+
+    def _holds(self, client_id: bytes, request_id: str) -> bool:
+        """This client's request is here: live, finished lately or waiting for its grammar."""
+        finished = self.finished.get(request_id)
+        owner = self.owners.get(request_id) or (finished.owner if finished else None)
+        if owner is not None:
+            return owner.client_id == client_id
+        held = self.grammar_gate.held.get(request_id) if self.grammar_gate is not None else None
+        return held is not None and held.payload[0] == client_id
 
     @property
     def compiling(self) -> bool:

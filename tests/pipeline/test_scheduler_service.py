@@ -74,3 +74,23 @@ def test_a_request_that_finished_while_the_detokenizer_was_down_is_refed():
     fed = [s for m in to_detok if isinstance(m, messages.TokenBatch) for s in m.all_samples()]
     assert [m.request_id for m in opened] == ["short"]
     assert [(s.request_id, len(s.token_ids), s.finish_reason) for s in fed] == [("short", 5, "length")]
+
+
+def test_a_resubmission_of_a_request_held_from_that_client_is_ignored():
+    """A client whose socket may have reconnected to a restarted scheduler sends what is in
+    flight again, flagged: the scheduler that has it ignores it; a fresh duplicate, or another
+    client's id, is still refused."""
+    sched, svc, dispatch, to_detok = service()
+    rejected = []
+    svc.send_to_client = lambda client, msg: rejected.append((client, msg))
+    add(dispatch, "r1", b"alice")
+    opened = len(to_detok)
+    again = messages.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
+                                sampling=SamplingParams(max_tokens=5), arrival_time=0.0,
+                                resubmitted=True)
+    dispatch.dispatch(again, b"alice")
+    assert (list(sched.requests), len(to_detok), rejected) == (["r1"], opened, [])
+    dispatch.dispatch(again, b"bob")
+    add(dispatch, "r1", b"alice")
+    assert [(c, m.status) for c, m in rejected] == [(b"bob", 400), (b"alice", 400)]
+    assert all("already in flight" in m.message for _, m in rejected)
