@@ -163,6 +163,9 @@ class SchedulingArgs:
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
     step_timeout: float = 120.0  # a step running longer means a hung worker group
+    # Plan a step of steady decodes while the workers compute the one before (one rank only:
+    # pipeline/scheduler/lookahead.py).
+    async_scheduling: bool = True
     # --speculative-config as a dict (pipeline/scheduler/speculative.py); None: off.
     speculative_config: dict | None = None
 
@@ -435,6 +438,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help='n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
                         '"prompt_lookup_min": 2}; optional "disable_by_batch_size"')
+    _bool_flag(p, "async-scheduling", True, "plan the next step of steady decodes while the "
+               "workers compute this one (one worker rank; outputs unchanged)")
     p.add_argument("--step-timeout", type=float, default=d.scheduling.step_timeout,
                    help="seconds a step may take before the worker group counts as hung")
     p.add_argument("--max-restarts", type=int, default=d.supervisor.max_restarts,

@@ -94,4 +94,5 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--speculative-config", json.dumps(s.speculative_config)]
     argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    argv.append("--async-scheduling" if s.async_scheduling else "--no-async-scheduling")
     return argv

@@ -102,6 +102,10 @@ class StepPlan(msgspec.Struct, gc=False):
     decode_token_ids: list[int] = []
     decode_new_blocks: list[tuple[int, int]] = []
     grammar: GrammarMasks | None = None  # structured output's masks, when any sample has one
+    # Planned before the previous step's result was back (overlapped scheduling, one rank):
+    # each decode column's token is the one the worker sampled for that sequence last step
+    # (decode_token_ids holds -1s).
+    ahead: bool = False
 
     def seq_steps(self) -> list[ScheduledSeq]:
         """Every sequence this step computes, in batch order, the decode columns spelled out as

@@ -38,6 +38,7 @@ class SeqState:
     block_ids: list[int]          # from the plans' diffs
     num_computed_tokens: int
     table_row: int = -1           # its row in the scheduler's shared block tables
+    last_sampled: int = -1        # rank 0: the token it sampled last (the next ahead plan's)
 
     def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
@@ -119,6 +120,8 @@ class WorkerCore:
             result = self._verify(plan, logits, row_ids, rows, drafts)
         else:
             result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
+        for seq_id, token in zip(result.seq_ids, result.token_ids):
+            seqs[seq_id].last_sampled = token
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
                               "sample_ms": (time.perf_counter() - forward_done) * 1e3,
@@ -151,7 +154,7 @@ class WorkerCore:
                 raise ValueError(f"plan {plan.step_id}: decode_new_blocks names column {index} "
                                  f"of {len(plan.decode_seq_ids)}")
             self._state(plan.decode_seq_ids[index], "decoding").block_ids.append(block)
-        for seq_id, token in zip(plan.decode_seq_ids, plan.decode_token_ids):
+        for seq_id, token in zip(plan.decode_seq_ids, self._decode_tokens(plan)):
             state = self._state(seq_id, "decoding")
             tokens = state.token_ids
             start = state.num_computed_tokens
@@ -183,6 +186,21 @@ class WorkerCore:
             if sample:
                 sampled_ids.append(scheduled.seq_id)
         return items, sampled_ids
+
+    def _decode_tokens(self, plan: StepPlan) -> list[int]:
+        """The decode columns' input tokens: the plan's, or for a plan made before the last
+        step's result was back (overlapped scheduling) the ones this rank sampled then."""
+        if not plan.ahead:
+            return plan.decode_token_ids
+        if self.sampler is None:
+            raise ValueError(f"plan {plan.step_id} follows the last step's samples, which only "
+                             "the sampling rank knows (tensor parallel groups plan each step)")
+        tokens = [self._state(seq_id, "decoding").last_sampled for seq_id in plan.decode_seq_ids]
+        if -1 in tokens:
+            seq_id = plan.decode_seq_ids[tokens.index(-1)]
+            raise ValueError(f"plan {plan.step_id} follows the last step's samples, but seq "
+                             f"{seq_id} sampled nothing yet")
+        return tokens
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
                 rows: list[int]) -> StepResult:

@@ -39,6 +39,8 @@ _COUNTERS = {
     "num_preemptions": ("vllm:num_preemptions", "Preemptions (swap or recompute)."),
     "prompt_tokens": ("vllm:prompt_tokens", "Prefill tokens processed."),
     "generation_tokens": ("vllm:generation_tokens", "Generation tokens processed."),
+    "steps_planned_ahead": ("pagedserve:steps_planned_ahead",
+                            "Steps planned while the step before ran (--async-scheduling)."),
 }
 # Only when n-gram speculation is on (--speculative-config): the scheduler's stats carry them.
 _SPEC_COUNTERS = {

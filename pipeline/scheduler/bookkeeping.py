@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedserve.pipeline.messages import Fork, StepPlan, StepResult
 from pagedserve.pipeline.scheduler.admission import RequestRejected, admit_request
+from pagedserve.pipeline.scheduler.lookahead import promote
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
 from pagedserve.pipeline.scheduler.preemption import SWAP
 from pagedserve.pipeline.scheduler.results import advance
@@ -117,7 +118,7 @@ class RequestLifecycle:
         kv, lost = self.kv, self._inflight
         unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
         dropped = set(kv.drop_device_pool(unreliable))
-        self._inflight = None
+        self._inflight = self._ahead = None
         self._finished_seq_ids = []
         culprits = self.quarantine.record_crash(self._requests_of(lost)) \
             if attributable and lost is not None else []
@@ -199,6 +200,8 @@ class RequestLifecycle:
             self.quarantine.end_trial(self._sampled_in(self.quarantine.on_trial, b))
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)
+        if self._ahead is not None:
+            promote(self)
         return outputs
 
     def _finish_sampled(self, seq: Sequence, token: int, row: int, result: StepResult

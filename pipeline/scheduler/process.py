@@ -76,6 +76,9 @@ class SchedulerProcess:
         self.service: SchedulerService | None = None
         self.inflight: messages.StepPlan | None = None
         self.inflight_since = 0.0
+        # Overlapped scheduling (lookahead.py): the plan sent behind `inflight`, if any.
+        self.ahead: messages.StepPlan | None = None
+        self.overlap = cfg.scheduling.async_scheduling and self.tp_size == 1
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
@@ -112,7 +115,7 @@ class SchedulerProcess:
         crashed), which counts against its requests (Scheduler.reset_device_state)."""
         self.epoch += 1
         self.ready_ranks.clear()
-        self.inflight = None
+        self.inflight = self.ahead = None
         if self.service is not None:
             scheduler = self.service.scheduler
             recovery = scheduler.reset_device_state(why, attributable)
@@ -259,6 +262,13 @@ class SchedulerProcess:
             scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
             return
         sending = time.monotonic()
+        if not self._send_plan(plan):
+            return
+        self.inflight = plan
+        self.inflight_since = sending
+        self._plan_ahead()
+
+    def _send_plan(self, plan: messages.StepPlan) -> bool:
         frames = transport.encode(plan)
         try:
             for rank in range(self.tp_size):
@@ -266,9 +276,20 @@ class SchedulerProcess:
         except zmq.ZMQError as exc:  # a rank vanished between its last answer and now
             # The plan stays in flight: recovery reads it (its swap-outs may not have happened).
             self.lose_workers(f"cannot reach a worker rank: {exc}")
+            return False
+        return True
+
+    def _plan_ahead(self) -> None:
+        """Send the next step of steady decodes behind the one in flight, when it can only be
+        that (lookahead.py): the workers start it the moment they finish this one."""
+        if not self.overlap or self.ahead is not None:
             return
-        self.inflight = plan
-        self.inflight_since = sending
+        plan = self.service.scheduler.schedule_ahead()
+        if plan is None:
+            return
+        self.faults.on_message(step=plan.step_id)
+        if self._send_plan(plan):
+            self.ahead = plan
 
     def _send_to_detok(self, msg) -> None:
         if self.trace is not None and isinstance(msg, messages.TokenBatch):
@@ -340,10 +361,14 @@ class SchedulerProcess:
         self.inflight = None
         if self.trace is None:
             self.service.on_step_result(plan, msg)
-            return
-        received = time.monotonic()
-        self.service.on_step_result(plan, msg)
-        self._trace_step(plan, msg.timings, received, time.monotonic())
+        else:
+            received = time.monotonic()
+            self.service.on_step_result(plan, msg)
+            self._trace_step(plan, msg.timings, received, time.monotonic())
+        if self.ahead is not None:  # already with the workers: in flight from now on
+            self.inflight, self.ahead = self.ahead, None
+            self.inflight_since = time.monotonic()
+            self._plan_ahead()
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
         if self.inflight is not None or self.workers_ready:

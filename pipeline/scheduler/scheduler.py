@@ -28,6 +28,7 @@ import heapq
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq, SharedTables, StepPlan
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.bookkeeping import Recovery, RequestLifecycle, SchedulerStats
+from pagedserve.pipeline.scheduler.lookahead import plan_ahead
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.policy import make_policy
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, pick_victim
@@ -85,6 +86,8 @@ class Scheduler(RequestLifecycle):
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []  # the workers still hold state for these
         self._inflight: PlanBuilder | None = None
+        self._ahead: PlanBuilder | None = None  # planned while _inflight runs (lookahead.py)
+        self.num_steps_ahead = 0  # steps planned that way, cumulative
         # Requests that were in a step that crashed the workers wait their turn (quarantine.py).
         self.quarantine = Quarantine()
         # Requests finished since the service last took them (take_finished): it keeps their
@@ -143,6 +146,11 @@ class Scheduler(RequestLifecycle):
         if self.grammar_book is not None and self.grammar_book.grammars:
             plan.grammar = self.grammar_book.masks(self.requests, b.step_id, RUNNING)
         return plan
+
+    def schedule_ahead(self) -> StepPlan | None:
+        """The next step planned before the result of the one in flight is back, when it can
+        only be the same decodes one token on (lookahead.py); None otherwise."""
+        return plan_ahead(self)
 
     def _schedule_running(self, b: PlanBuilder, new_running: list[Sequence]) -> None:
         """One token for every decoding sequence, in running order; fills `new_running` (the

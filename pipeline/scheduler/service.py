@@ -355,6 +355,7 @@ class SchedulerService:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits, "num_preemptions": s.num_preemptions,
             "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
+            "steps_planned_ahead": self.scheduler.num_steps_ahead,  # overlapped scheduling
             "iteration_tokens": self.iteration_tokens.to_dict(),
             "kv_blocks_used": kv.gpu_blocks_used, "kv_blocks_total": kv.gpu_blocks_total,
             "cpu_blocks_used": kv.cpu_blocks_used, "cpu_blocks_total": kv.cpu_blocks_total,

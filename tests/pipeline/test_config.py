@@ -73,7 +73,8 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  max_num_seqs=17,
                  max_num_batched_tokens=333, max_queued_requests=44,
                  enable_chunked_prefill=False, preemption_mode="swap",
-                 scheduling_policy="priority", step_timeout=9.0, max_restarts=5,
+                 scheduling_policy="priority", step_timeout=9.0, async_scheduling=False,
+                 max_restarts=5,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4},
                  restart_window=7.0, heartbeat_timeout=3.0)

@@ -1,6 +1,5 @@
 """`return_token_ids` (vLLM's extension): every choice carries its token ids and the prompt's,
 streamed and not; the router resumes a broken stream from them."""
-import httpx
 
 from tests.pipeline.test_ingress_api import HELLO, MSGS, run_with_client, sse_events
 

@@ -202,3 +202,28 @@ def test_unknown_sequence_is_a_clear_error(tiny_dir):
     core = make_core(tiny_dir)
     with pytest.raises(ValueError, match="scheduled sequence 42 is unknown"):
         core.execute(empty_plan(1, scheduled=[ScheduledSeq(42, 1, [], [])]))
+
+
+def test_a_plan_made_ahead_decodes_the_tokens_this_rank_sampled(tiny_dir):
+    """Overlapped scheduling: a plan sent before the last result was back carries -1s in its
+    decode columns; the worker decodes what it sampled, as if the scheduler had sent it."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    expected = hf_greedy(tiny_dir, prompts, 4)
+    core = make_core(tiny_dir)
+    first = core.execute(empty_plan(1, new_seqs=[NewSeq(i, p, [], GREEDY, [10 + i], 0)
+                                                 for i, p in enumerate(prompts)],
+                                    scheduled=[ScheduledSeq(i, len(p), [], [])
+                                               for i, p in enumerate(prompts)]))
+    outputs = [[t] for t in first.token_ids]
+    for step in range(2, 5):
+        result = core.execute(empty_plan(step, decode_seq_ids=[0, 1], decode_token_ids=[-1, -1],
+                                         ahead=True))
+        for out, token in zip(outputs, result.token_ids):
+            out.append(token)
+    assert outputs == expected
+    with pytest.raises(ValueError, match="seq 2 sampled nothing yet"):
+        core.execute(empty_plan(5, new_seqs=[NewSeq(2, [3, 4], [], GREEDY, [20], 1)],
+                                decode_seq_ids=[2], decode_token_ids=[-1], ahead=True))
+    other_rank = make_core(tiny_dir, sampler=False)
+    with pytest.raises(ValueError, match="only the sampling rank knows"):
+        other_rank.execute(empty_plan(1, decode_seq_ids=[0], decode_token_ids=[-1], ahead=True))
