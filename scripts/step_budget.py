@@ -7,7 +7,9 @@ Phases, in order: schedule (the scheduler's plan), send (plan sent until rank 0 
 forward (rank 0's model: matmul, attention, other), sample, return (result sent until the
 scheduler has it), update (the result applied, tokens handed on), queue (until the
 detokenizer takes them), detokenize (text deltas sent to the client). The last line is a JSON
-object: {"steps": n, "phases_ms": {...}, "token_ms": the sum of the sequential phases}.
+object: {"steps": n, "ahead_steps": m, "phases_ms": {...}, "token_ms": ...}: token_ms is the
+median over the steps of each one's sequential phases; for a step planned ahead (overlapped
+scheduling) only send, forward and sample, the rest having run while the worker computed.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 SEQUENTIAL = ("schedule_ms", "send_ms", "forward_ms", "sample_ms", "return_ms", "update_ms",
               "queue_ms", "detokenize_ms")
 PARTS = ("matmul_ms", "attention_ms", "other_ms")  # of forward_ms
+OVERLAPPED = ("send_ms", "forward_ms", "sample_ms")  # a step planned ahead: the rest overlaps
 
 
 def budget(lines: list[dict], decode_seqs: int = 1) -> dict:
@@ -31,9 +34,11 @@ def budget(lines: list[dict], decode_seqs: int = 1) -> dict:
                          f"timings in the trace")
     phases = {k: round(statistics.median(s[k] for s in steps if k in s), 3)
               for k in (*SEQUENTIAL, *PARTS, "round_trip_ms") if any(k in s for s in steps)}
-    token = round(sum(phases.get(k, 0.0) for k in SEQUENTIAL), 3)
-    return {"steps": len(steps), "decode_seqs": decode_seqs, "phases_ms": phases,
-            "token_ms": token}
+    token = round(statistics.median(
+        sum(s.get(k, 0.0) for k in (OVERLAPPED if s.get("ahead") else SEQUENTIAL))
+        for s in steps), 3)
+    return {"steps": len(steps), "ahead_steps": sum(bool(s.get("ahead")) for s in steps),
+            "decode_seqs": decode_seqs, "phases_ms": phases, "token_ms": token}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -79,6 +79,10 @@ class SchedulerProcess:
         # Overlapped scheduling (lookahead.py): the plan sent behind `inflight`, if any.
         self.ahead: messages.StepPlan | None = None
         self.overlap = cfg.scheduling.async_scheduling and self.tp_size == 1
+        self.ahead_schedule_ms = 0.0
+        # PAGEDSERVE_STEP_TRACE: where a step planned ahead starts, rank 0's clock when it sent
+        # the result before (it had the plan by then); None: when it was sent, as for the others.
+        self.trace_since: float | None = None
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
@@ -284,9 +288,11 @@ class SchedulerProcess:
         that (lookahead.py): the workers start it the moment they finish this one."""
         if not self.overlap or self.ahead is not None:
             return
+        started = time.perf_counter()
         plan = self.service.scheduler.schedule_ahead()
         if plan is None:
             return
+        self.ahead_schedule_ms = (time.perf_counter() - started) * 1e3
         self.faults.on_message(step=plan.step_id)
         if self._send_plan(plan):
             self.ahead = plan
@@ -301,18 +307,21 @@ class SchedulerProcess:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and where its time
         went: schedule, send (plan sent until rank 0 has it), rank 0's forward (matmul,
         attention, other) and sample, return (result sent until here), update (the result
-        applied and the tokens handed to the detokenizer, which writes its own lines). Clock
-        readings of other processes are time.monotonic(): one host's clock."""
+        applied and the tokens handed to the detokenizer, which writes its own lines). A step
+        planned ahead (`ahead`) was planned while the step before computed, and its send and
+        round trip count from rank 0's sending that step's result. Clock readings of other
+        processes are time.monotonic(): one host's clock."""
         decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
         tokens = plan.num_tokens
+        since = self.inflight_since if self.trace_since is None else self.trace_since
         line = {"role": "scheduler", "step": plan.step_id, "decode_seqs": decodes,
                 "prefill_tokens": tokens - decodes, "prefill_seqs": plan.num_scheduled - decodes,
-                "schedule_ms": self.last_schedule_ms,
-                "round_trip_ms": (received - self.inflight_since) * 1e3,
+                "ahead": plan.ahead, "schedule_ms": self.last_schedule_ms,
+                "round_trip_ms": (received - since) * 1e3,
                 "update_ms": (updated - received) * 1e3,
                 "waiting": len(self.service.scheduler.waiting)}
         if timings:
-            line |= {"send_ms": (timings["received"] - self.inflight_since) * 1e3,
+            line |= {"send_ms": (timings["received"] - since) * 1e3,
                      "return_ms": (received - timings["sent"]) * 1e3,
                      "other_ms": timings["forward_ms"] - timings["matmul_ms"]
                      - timings["attention_ms"]}
@@ -365,9 +374,12 @@ class SchedulerProcess:
             received = time.monotonic()
             self.service.on_step_result(plan, msg)
             self._trace_step(plan, msg.timings, received, time.monotonic())
+        self.trace_since = None
         if self.ahead is not None:  # already with the workers: in flight from now on
             self.inflight, self.ahead = self.ahead, None
             self.inflight_since = time.monotonic()
+            self.last_schedule_ms = self.ahead_schedule_ms
+            self.trace_since = msg.timings.get("sent")
             self._plan_ahead()
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:

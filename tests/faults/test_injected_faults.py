@@ -72,7 +72,8 @@ def batches_until_every_fault_fired(group, prompt_ids, mode, roles, reference, m
     ("scheduler:hang@step=12;worker0:hang@step=30", "sampled", ("scheduler", "worker0")),
 ])
 def test_faults_fire_mid_stream_and_lose_nothing(model_dir, batch, references, fault, mode, roles):
-    group = Group(model_dir, fault=fault)
+    # a hung worker is caught by --step-timeout: 8 s (steps here take ~50 ms) rather than 20
+    group = Group(model_dir, fault=fault, extra=("--step-timeout", "8"))
     try:
         batches, restarts = batches_until_every_fault_fired(group, batch, mode, roles,
                                                             references[mode])

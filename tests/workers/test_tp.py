@@ -56,17 +56,3 @@ def test_tp2_bf16_matches_tp1_bf16(tmp_path):
     with TPWorkers(RankSpec(str(model_dir), num_blocks=64, dtype="bfloat16"), tp_size=2,
                    timeout_s=120) as workers:
         assert run_greedy(workers.execute, prompts, 10) == tp1
-
-
-@pytest.mark.slow
-def test_tp2_matches_tp1_on_smollm2():
-    from pagedserve.workers.loader import TEST_MODEL, resolve_model
-    from pagedserve.pipeline.tokenizer import load_tokenizer
-
-    model_dir = resolve_model(TEST_MODEL)
-    tokenizer = load_tokenizer(model_dir)
-    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
-                                              "Once upon a time, in a small village,")]
-    tp1 = run_greedy(make_core(model_dir, num_blocks=64).execute, prompts, 16)
-    with TPWorkers(RankSpec(str(model_dir), num_blocks=64), tp_size=2, timeout_s=300) as workers:
-        assert run_greedy(workers.execute, prompts, 16) == tp1
