@@ -371,36 +371,38 @@ class KVCacheManager:
 
     # ---- swapping --------------------------------------------------------------------------
 
-    def _swap_need(self, seq: SeqBlocks, to_cpu: bool) -> int:
+    def _swap_need(self, seq: SeqBlocks, to_cpu: bool, num_computed: int | None) -> int:
         src, dst = (self.gpu_pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.gpu_pool)
-        return num_blocks_to_swap(src, dst, *live_part(seq, self.block_size))
+        return num_blocks_to_swap(src, dst, *live_part(seq, self.block_size, num_computed))
 
-    def can_swap_out(self, seq_id: int) -> bool:
-        """The host pool has room for the sequence's blocks not already copied there."""
+    def can_swap_out(self, seq_id: int, num_computed: int | None = None) -> bool:
+        """The host pool has room for the sequence's blocks not already copied there.
+        `num_computed` (here and in the swaps): see swap.live_part."""
         seq = self._seq(seq_id)
-        return not seq.swapped and self._swap_need(seq, True) <= self.cpu_pool.num_free_blocks
+        return (not seq.swapped
+                and self._swap_need(seq, True, num_computed) <= self.cpu_pool.num_free_blocks)
 
-    def can_swap_in(self, seq_id: int) -> bool:
+    def can_swap_in(self, seq_id: int, num_computed: int | None = None) -> bool:
         """The device pool has room for the sequence's blocks above the watermark."""
         seq = self._seq(seq_id)
         if not seq.swapped:
             return False
-        needed = self._swap_need(seq, False)
+        needed = self._swap_need(seq, False, num_computed)
         return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
 
-    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+    def swap_out(self, seq_id: int, num_computed: int | None = None) -> list[tuple[int, int]]:
         """Move the sequence to the host pool; returns (gpu_block, cpu_block) pairs to copy.
         Placeholders stay as they are (device ids, never swapped)."""
         seq = self._seq(seq_id)
         if seq.swapped:
             raise ValueError(f"seq {seq_id} is already swapped out")
         mapping = swap_seq(seq, self.gpu_pool, self.cpu_pool, self.block_size,
-                           f"swap_out of seq {seq_id} (host pool)")
+                           f"swap_out of seq {seq_id} (host pool)", num_computed)
         if seq.row >= 0:
             self.block_tables.array[seq.row].fill(-1)
         return mapping
 
-    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+    def swap_in(self, seq_id: int, num_computed: int | None = None) -> list[tuple[int, int]]:
         """Bring the sequence back to the device pool; returns (cpu_block, gpu_block) pairs.
 
         Raises NoFreeBlocksError, changing nothing, when it cannot fit.
@@ -409,7 +411,7 @@ class KVCacheManager:
         if not seq.swapped:
             raise ValueError(f"seq {seq_id} is not swapped out")
         mapping = swap_seq(seq, self.cpu_pool, self.gpu_pool, self.block_size,
-                           f"swap_in of seq {seq_id} (device pool)")
+                           f"swap_in of seq {seq_id} (device pool)", num_computed)
         blocks, r = self.gpu_pool.blocks, seq.num_released
         for block_id, block_hash in zip(seq.block_ids[r:], seq.block_hashes[r:]):
             self.gpu_pool.cache_block(blocks[block_id], block_hash)

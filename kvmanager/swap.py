@@ -80,18 +80,24 @@ def swap_blocks(src_pool: BlockPool, dst_pool: BlockPool, block_ids: list[int],
     return new_ids, mapping
 
 
-def live_part(seq: SeqBlocks, block_size: int) -> tuple[list[int], int]:
+def live_part(seq: SeqBlocks, block_size: int,
+              num_computed: int | None = None) -> tuple[list[int], int]:
     """The blocks a swap of `seq` moves (those it holds, not the placeholders of blocks
-    released out of a sliding window before them) and how many of those are full."""
+    released out of a sliding window before them) and how many of those are full: every slot
+    computed, never written again. `num_computed`: the sequence's computed tokens, when its
+    reserved slots run past them (a sampled token not computed yet, drafts' slots); a block
+    holding a slot past them is partial, or its linked copy would go stale once it is written."""
     r = seq.num_released
-    return seq.block_ids[r:], max(0, seq.num_tokens // block_size - r)
+    full = seq.num_tokens if num_computed is None else min(seq.num_tokens, num_computed)
+    return seq.block_ids[r:], max(0, full // block_size - r)
 
 
 def swap_seq(seq: SeqBlocks, src_pool: BlockPool, dst_pool: BlockPool, block_size: int,
-             what: str) -> list[tuple[int, int]]:
+             what: str, num_computed: int | None = None) -> list[tuple[int, int]]:
     """Move `seq`'s live blocks to the other pool (swap_blocks); placeholders stay as they are
     (device ids). Returns the (src, dst) pairs to copy."""
-    new_ids, mapping = swap_blocks(src_pool, dst_pool, *live_part(seq, block_size), what)
+    new_ids, mapping = swap_blocks(src_pool, dst_pool,
+                                   *live_part(seq, block_size, num_computed), what)
     seq.block_ids[seq.num_released:] = new_ids
     seq.swapped = not seq.swapped
     return mapping

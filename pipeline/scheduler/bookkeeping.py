@@ -265,12 +265,13 @@ class RequestLifecycle:
         sync_kv(seq, self.kv)
         if self.sliding_window:  # only the blocks its next step reads are worth swapping
             kv.slide_window(seq.seq_id, seq.num_computed_tokens)
-        can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id)
+        # full blocks by computed tokens: a reserved slot past them (drafts) is written later
+        can_swap = kv.num_cpu_blocks > 0 and kv.can_swap_out(seq.seq_id, seq.num_computed_tokens)
         self.num_preemptions += 1
         self._remove_running(seq)
         seq.preempted(b.step_id)
         if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
-            b.swap_out.extend(kv.swap_out(seq.seq_id))
+            b.swap_out.extend(kv.swap_out(seq.seq_id, seq.num_computed_tokens))
             seq.status = SWAPPED
             self.num_swapped += 1
             heapq.heappush(self.swapped, (self.policy.key(seq), seq))

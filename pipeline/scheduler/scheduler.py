@@ -296,7 +296,7 @@ class Scheduler(RequestLifecycle):
                 break
             heapq.heappop(self.swapped)
             self.quarantine.begin_trial(seq.request)
-            b.swap_in.extend(kv.swap_in(seq.seq_id))
+            b.swap_in.extend(kv.swap_in(seq.seq_id, seq.num_computed_tokens))
             self.num_swapped -= 1
             self._add_running(seq)
             seq.needs_full_send = True  # its block ids changed

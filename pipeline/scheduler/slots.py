@@ -45,7 +45,7 @@ def sync_kv(seq: Sequence, kv) -> None:
 def can_swap_in(seq: Sequence, chunk: int, kv, num_watermark_blocks: int) -> bool:
     """Room above the watermark for its blocks and for the ones its next chunk adds, so a
     swapped-in sequence can run at once instead of being pushed straight back out."""
-    if not kv.can_swap_in(seq.seq_id):
+    if not kv.can_swap_in(seq.seq_id, seq.num_computed_tokens):
         return False
     bs = kv.block_size
     held = -(-seq.num_reserved_tokens // bs) - kv.num_released_blocks(seq.seq_id)

@@ -66,7 +66,19 @@ _SWAPPED_PARENT_SPECS = [_spec(2, 1), *[_spec(1, 1)] * 6, _spec(1, 1, priority=1
                          _spec(1, 1, n=3), _spec(1, 1), _spec(1, 1, n=2, arrival=1)]
 
 
+# Found by Hypothesis: a block holding only draft slots (reserved, not computed) was taken as
+# full at a swap-out, so its host copy stayed linked; the sequence's real tokens then wrote the
+# device block, and the next swap-out reused the stale copy: a rejected draft's KV came back.
+_DRAFT_SLOTS_CFG = dict(num_gpu_blocks=11, num_cpu_blocks=16, max_num_seqs=2, extra_budget=0,
+                        enable_chunked_prefill=False, enable_prefix_caching=False,
+                        policy="priority", preemption_mode="swap", swap_threshold_tokens=None,
+                        watermark=0.0, speculative=(5, 2, 3))
+_DRAFT_SLOTS_SPECS = [*[_spec(1, 1)] * 4, _spec(17, 9, n=2, priority=1), _spec(1, 1),
+                      _spec(1, 1, arrival=4), _spec(1, 5, arrival=15)]
+
+
 @example(cfg=_SWAPPED_PARENT_CFG, specs=_SWAPPED_PARENT_SPECS)
+@example(cfg=_DRAFT_SLOTS_CFG, specs=_DRAFT_SLOTS_SPECS)
 @settings(max_examples=int(os.environ.get("SCHED_PROPERTY_EXAMPLES", "120")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, specs=st.lists(request_st, min_size=1, max_size=14))
 def test_random_workloads_finish(cfg, specs):
