@@ -38,7 +38,6 @@ class SeqState:
     block_ids: list[int]          # from the plans' diffs
     num_computed_tokens: int
     table_row: int = -1           # its row in the scheduler's shared block tables
-    last_sampled: int = -1        # rank 0: the token it sampled last (the next ahead plan's)
 
     def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
@@ -57,12 +56,15 @@ class WorkerCore:
         # PAGEDSERVE_STEP_TRACE: workers/step_trace.py times the forward's parts (rank 0)
         self.profiler = None
         self._tables_ref: SharedTables | None = None
+        # rank 0: the last step's result, whose tokens a plan made ahead of it decodes
+        self._last_result: StepResult | None = None
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler epoch); the KV cache's bytes are simply
         overwritten by whatever the next plans compute. The shared tables are attached again
         from the next plan (a new scheduler creates a new segment under the same name)."""
         self.seqs.clear()
+        self._last_result = None
         self._attach_tables(None)
 
     def _attach_tables(self, ref: SharedTables | None) -> None:
@@ -120,8 +122,7 @@ class WorkerCore:
             result = self._verify(plan, logits, row_ids, rows, drafts)
         else:
             result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
-        for seq_id, token in zip(result.seq_ids, result.token_ids):
-            seqs[seq_id].last_sampled = token
+        self._last_result = result
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
                               "sample_ms": (time.perf_counter() - forward_done) * 1e3,
@@ -195,12 +196,13 @@ class WorkerCore:
         if self.sampler is None:
             raise ValueError(f"plan {plan.step_id} follows the last step's samples, which only "
                              "the sampling rank knows (tensor parallel groups plan each step)")
-        tokens = [self._state(seq_id, "decoding").last_sampled for seq_id in plan.decode_seq_ids]
-        if -1 in tokens:
-            seq_id = plan.decode_seq_ids[tokens.index(-1)]
-            raise ValueError(f"plan {plan.step_id} follows the last step's samples, but seq "
-                             f"{seq_id} sampled nothing yet")
-        return tokens
+        last = self._last_result
+        sampled = dict(zip(last.seq_ids, last.token_ids)) if last is not None else {}
+        for seq_id in plan.decode_seq_ids:
+            if seq_id not in sampled:
+                raise ValueError(f"plan {plan.step_id} follows the last step's samples, but seq "
+                                 f"{seq_id} sampled nothing yet")
+        return [sampled[seq_id] for seq_id in plan.decode_seq_ids]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
                 rows: list[int]) -> StepResult:
