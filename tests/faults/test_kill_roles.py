@@ -20,7 +20,9 @@ def tp2_group(model_dir, prompt_ids):
     assert group.leftovers() == []
 
 
-@pytest.mark.parametrize("role", ["worker1", "worker0", "detokenizer", "scheduler"])
+# (worker1, a rank other than 0, is killed on its own host in
+# tests/e2e/test_multihost_tp.py::test_a_worker_killed_on_the_remote_host_recovers)
+@pytest.mark.parametrize("role", ["worker0", "detokenizer", "scheduler"])
 def test_sigkill_mid_stream_loses_nothing(tp2_group, prompt_ids, role):
     group, reference = tp2_group
     counted = "worker" if role.startswith("worker") else role

@@ -35,6 +35,8 @@ def test_a_cached_decoder_decodes_as_transformers(name, tmp_path):
         for skip in (True, False):
             assert cached.decode(ids, skip_special_tokens=skip) == full.decode(
                 ids, skip_special_tokens=skip), (ids, skip)
+    if name != "SmolLM2-135M-Instruct":
+        return                # the damaged entry once: a whole load of Gemma's takes ~5 s
     entry.write_text("{}")  # damaged: loaded whole again and rewritten
     assert load_decoder(model_dir, tmp_path).__class__ is full.__class__
     assert isinstance(load_decoder(model_dir, tmp_path), DecodeOnlyTokenizer)
