@@ -71,7 +71,27 @@ DEFINE_DIRECT(direct_q8_0, T_Q8_0, 34)
 DEFINE_DIRECT(direct_i4g, T_I4G, 24)
 
 
-/* The same for Q4_K and Q6_K: a super-block of 256, its group scales applied by vpmaddwd */
+/* The same for Q4_K and Q6_K: a super-block of 256, its group scales applied by vpmaddwd. The
+ * mins' term I2 (sum over groups of min times the group's activation sum) for 4 rows at once: */
+static inline __m128i direct_i2(const __m256i m[PANEL], const int16_t *xs) {
+    const __m256i s = _mm256_loadu_si256((const __m256i *)xs);
+    return hsum4(_mm256_madd_epi16(m[0], s), _mm256_madd_epi16(m[1], s),
+                 _mm256_madd_epi16(m[2], s), _mm256_madd_epi16(m[3], s));
+}
+
+/* Q4_K's 8 6-bit scales and mins of a super-block (kquant_scales' values), the mins as 16 int16
+ * (each twice: one per group of 16) */
+static inline void direct_k_scales(const uint8_t *s, int16_t sc[8], __m256i *mins) {
+    int16_t m[16];
+    for (int j = 0; j < 8; j++) {
+        const int lo = j < 4;
+        sc[j] = (int16_t)(lo ? s[j] & 63 : (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        m[2 * j] = m[2 * j + 1] =
+            (int16_t)(lo ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+    *mins = _mm256_loadu_si256((const __m256i *)m);
+}
+
 static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t *xq,
                         const float *xd, const int16_t *xs, int64_t K, float out[PANEL]) {
     const uint8_t *rows[PANEL];
@@ -79,19 +99,14 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
     __m128 acc = _mm_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < K / 256; b++) {
-        __m256i v[PANEL];
-        int32_t i2[PANEL];
-        int16_t sc[PANEL][16], mc[PANEL][16];
+        __m256i v[PANEL], mins[PANEL];
+        int16_t sc[PANEL][8];
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 144 * b;
-            int16_t sc2[128];
             d[r] = load_half(blk);
             dm[r] = load_half(blk + 2);
-            kquant_scales(blk + 4, sc2, mc[r]);
-            for (int j = 0; j < 8; j++) sc[r][j] = sc2[16 * j];
-            i2[r] = 0;
-            for (int g = 0; g < 16; g++) i2[r] += mc[r][g] * (int32_t)xs[16 * b + g];
+            direct_k_scales(blk + 4, sc[r], &mins[r]);
             v[r] = _mm256_setzero_si256();
         }
         for (int i = 0; i < 4; i++) {
@@ -108,9 +123,16 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
             }
         }
         acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
-                                           _mm_loadu_si128((const __m128i *)i2)));
+                                           direct_i2(mins, xs + 16 * b)));
     }
     _mm_storeu_ps(out, acc);
+}
+
+/* Q6_K: element e of a half h's 128 is 4 bits of ql and 2 of qh; group g's scale applies to 16 */
+static inline __m256i q6_k_bits(__m256i q, int shift_q, __m256i hb, int shift_h) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, shift_q), low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift_h), two), 4));
 }
 
 static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t *xq,
@@ -118,18 +140,21 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
     const uint8_t *rows[PANEL];
     for (int r = 0; r < PANEL; r++) rows[r] = w + (r < live ? r : live - 1) * stride;
     __m128 acc = _mm_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
+    __m256i pick[4];   /* int16 2k of a lane's 8 in the low lane, 2k + 1 in the high one */
+    for (int k = 0; k < 4; k++) {
+        const char l0 = (char)(4 * k), l1 = (char)(4 * k + 1), h0 = (char)(4 * k + 2),
+                   h1 = (char)(4 * k + 3);
+        pick[k] = _mm256_setr_epi8(l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1,
+                                   h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1);
+    }
     for (int64_t b = 0; b < K / 256; b++) {
-        __m256i v[PANEL];
-        int32_t i2[PANEL];
+        __m256i v[PANEL], scales[PANEL];
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 210 * b;
-            const int8_t *scales = (const int8_t *)(blk + 192);
             d[r] = load_half(blk + 208);
             dm[r] = 32.0f * d[r];
-            i2[r] = 0;
-            for (int g = 0; g < 16; g++) i2[r] += scales[g] * (int32_t)xs[16 * b + g];
+            scales[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             v[r] = _mm256_setzero_si256();
         }
         for (int h = 0; h < 2; h++) {
@@ -138,30 +163,20 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
                 a[c] = _mm256_loadu_si256((const __m256i *)(xq + 256 * b + 128 * h + 32 * c));
             for (int r = 0; r < PANEL; r++) {
                 const uint8_t *blk = rows[r] + 210 * b;
-                const int8_t *scales = (const int8_t *)(blk + 192);
+                const __m256i half = _mm256_broadcastsi128_si256(
+                    h ? _mm256_extracti128_si256(scales[r], 1) : _mm256_castsi256_si128(scales[r]));
                 const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
                 const __m256i q2 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m256i c[4];
-                c[0] = _mm256_or_si256(_mm256_and_si256(q1, low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
-                c[1] = _mm256_or_si256(_mm256_and_si256(q2, low4), _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
-                c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), two), 4));
-                c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q2, 4), low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), two), 4));
-                for (int k = 0; k < 4; k++) {
-                    const int g = 8 * h + 2 * k;
-                    const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]),
-                                                         _mm_set1_epi16(scales[g]));
+                const __m256i c[4] = {q6_k_bits(q1, 0, hb, 0), q6_k_bits(q2, 0, hb, 2),
+                                      q6_k_bits(q1, 4, hb, 4), q6_k_bits(q2, 4, hb, 6)};
+                for (int k = 0; k < 4; k++)
                     v[r] = _mm256_add_epi32(v[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(c[k], a[k]), scv));
-                }
+                        _mm256_maddubs_epi16(c[k], a[k]), _mm256_shuffle_epi8(half, pick[k])));
             }
         }
         acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
-                                           _mm_loadu_si128((const __m128i *)i2)));
+                                           direct_i2(scales, xs + 16 * b)));
     }
     _mm_storeu_ps(out, acc);
 }

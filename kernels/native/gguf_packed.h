@@ -24,12 +24,13 @@ static inline int packed_type(int qtype) {
         || qtype == T_I4G || qtype == T_Q4_K;
 }
 
+#include "gguf_packed_k.h"
+
 /* bytes of one packed block (16 rows) */
 static inline int64_t packed_block_bytes(int qtype) {
-    return qtype == T_Q4_K ? 2560 : (int64_t)PACKED_COLS * qtype_lookup(qtype)->bytes;
+    return qtype == T_Q4_K ? Q4K_BYTES : (int64_t)PACKED_COLS * qtype_lookup(qtype)->bytes;
 }
 
-#include "gguf_packed_k.h"
 
 /* Offsets within a packed block: where the scales start, where Q5_0's bit planes start */
 static inline int packed_scales_at(int qtype) {

@@ -1,14 +1,14 @@
-/* gguf_packed.h's panels for Q4_K (super-blocks of 256). Block b of a panel (16 rows), 2560
+/* gguf_packed.h's panels for Q4_K (super-blocks of 256). Block b of a panel (16 rows), 2368
  * bytes: nibbles 32 x 64 bytes (chunk j: quads 2j low, 2j + 1 high, as the 32-element types),
- * 8 x 16 sub-block scales, 8 x 16 mins (bytes), the rows' raw 12-byte scale fields (16 x 12, for
- * the way back to raw), 16 fp16 d, 16 fp16 dmin. The integer sums and terms are
+ * 8 x 16 sub-block scales, 8 x 16 mins (the 6-bit values as bytes: the raw 12-byte field is
+ * encoded back from them on the way back to raw), 16 fp16 d, 16 fp16 dmin. The integer sums and terms are
  * gguf_wide512.h's k-quant body, lane by lane: the same bits. (Q6_K stays raw: packed the same
  * way, its 6-bit unpacking made Qwen2.5-1.5B's decode linears slower, 189 -> 258 ms a token on
  * one thread, than its in-register row path.) Included by gguf_packed.h. */
 #ifndef PAGEDSERVE_GGUF_PACKED_K_H
 #define PAGEDSERVE_GGUF_PACKED_K_H
 
-enum { Q4K_SC = 2048, Q4K_MIN = 2176, Q4K_RAW = 2304, Q4K_D = 2496, Q4K_DMIN = 2528 };
+enum { Q4K_SC = 2048, Q4K_MIN = 2176, Q4K_D = 2304, Q4K_DMIN = 2336, Q4K_BYTES = 2368 };
 
 /* column c of one packed super-block from the unpacked row (u, sc2, mc of block b) and its raw
  * block rb */
@@ -22,7 +22,6 @@ static void pack_k_block(const unpacked_row *row, int64_t b, const uint8_t *rb, 
         blk[Q4K_SC + 16 * j + c] = (uint8_t)row->sc2[128 * b + 16 * j];
         blk[Q4K_MIN + 16 * j + c] = (uint8_t)row->mc[16 * b + 2 * j];
     }
-    memcpy(blk + Q4K_RAW + 12 * c, rb + 4, 12);
     memcpy(blk + Q4K_D + 2 * c, rb, 2);
     memcpy(blk + Q4K_DMIN + 2 * c, rb + 2, 2);
 }
@@ -31,7 +30,13 @@ static void pack_k_block(const unpacked_row *row, int64_t b, const uint8_t *rb, 
 static void unpack_k_block(const uint8_t *blk, int c, uint8_t *out) {
     memcpy(out, blk + Q4K_D + 2 * c, 2);
     memcpy(out + 2, blk + Q4K_DMIN + 2 * c, 2);
-    memcpy(out + 4, blk + Q4K_RAW + 12 * c, 12);
+    for (int j = 0; j < 4; j++) {   /* kquant_scales' 6-bit fields, encoded back */
+        const uint8_t s0 = blk[Q4K_SC + 16 * j + c], s4 = blk[Q4K_SC + 16 * (j + 4) + c];
+        const uint8_t m0 = blk[Q4K_MIN + 16 * j + c], m4 = blk[Q4K_MIN + 16 * (j + 4) + c];
+        out[4 + j] = (uint8_t)(s0 | (s4 >> 4) << 6);
+        out[8 + j] = (uint8_t)(m0 | (m4 >> 4) << 6);
+        out[12 + j] = (uint8_t)((s4 & 0x0f) | (m4 & 0x0f) << 4);
+    }
     for (int i = 0; i < 4; i++)
         for (int l = 0; l < 32; l++) {
             const int lo = 64 * i + l, hi = lo + 32;   /* elements, each at quad e / 4 */

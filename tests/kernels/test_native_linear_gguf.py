@@ -191,8 +191,9 @@ def test_packed_weights_unpack_to_their_bytes_and_multiply_to_the_same_bits(qtyp
     k = 768 if gl.activation_block(qtype) == 256 else 544     # 544: a 16-quad tail
     w = random_weight(qtype, 37, k, rng)            # a short last panel
     packed = gl.pack(w)
-    # the raw bytes rearranged (3 panels of 16 rows); Q4_K adds its decoded scales
-    extra = 16 * (k // 256) if qtype == QType.Q4_K else 0
+    # the raw bytes rearranged (3 panels of 16 rows); Q4_K keeps its 16 6-bit scales and mins
+    # as bytes in place of their raw 12-byte field
+    extra = 4 * (k // 256) if qtype == QType.Q4_K else 0
     assert packed.nbytes == 48 * (w.data.shape[1] + extra)
     assert torch.equal(gl.unpack(packed).data, w.data)
     ids = torch.tensor([[0, 36, 17], [16, 15, 3]])
