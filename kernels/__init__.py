@@ -2,8 +2,11 @@
 
 KV cache layout (docs/INTERFACES.md): kv_cache[num_layers, 2, num_blocks, block_size, Hkv, D],
 index 0 = K, 1 = V; the attention kernels and store_kv take the layer views kv_cache[l, 0] and
-kv_cache[l, 1]. Each kernels/<name>.py holds the Triton kernel, its wrapper <name>_triton and
-the torch reference <name>_ref of the same signature.
+kv_cache[l, 1]. Each kernels/triton_<name>.py holds a Triton kernel and its wrapper <name>_triton;
+the torch reference <name>_ref of the same signature lives in attention_ref.py or
+cache_ops_ref.py (and is re-exported beside its kernel), so that CPU processes, which run the
+references and the native kernels, never import Triton (~100 MB of a worker's RSS); the
+Triton modules are imported on the first call that runs one.
 
 Backend choice: PAGEDSERVE_KERNELS=auto (default: Triton for CUDA tensors, torch otherwise),
 =triton (always Triton: with TRITON_INTERPRET=1 this runs the kernels on CPU, for tests) or
@@ -24,12 +27,12 @@ import torch
 
 from pagedserve import envs
 
-from . import copy_blocks as _copy_blocks
+import importlib
+
+from . import attention_ref as _attention_ref
+from . import cache_ops_ref as _cache_ops_ref
 from . import cpu_decode_attention as _cpu_decode
 from . import native_decode_attention as _native_decode
-from . import paged_decode_attention as _decode
-from . import paged_prefill_attention as _prefill
-from . import store_kv as _store_kv
 from ._prepared import prepared_call
 from .swap_blocks import swap_blocks_ref
 
@@ -80,7 +83,7 @@ def _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale, windo
 
 # PAGEDSERVE_DECODE_CPU -> the decode attention of tensors that do not take Triton
 _DECODE_CPU = {"native": _decode_native, "bucketed": _cpu_decode.paged_decode_attention_cpu,
-               "ref": _decode.paged_decode_attention_ref}
+               "ref": _attention_ref.paged_decode_attention_ref}
 
 
 def cpu_decode_kernel():
@@ -95,15 +98,19 @@ def native_decode_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and _native_decode.supports(q, k_cache))
 
 
-# The Triton wrappers are looked up on their modules at call time (not bound at import) so that
-# tests can reload a module under TRITON_INTERPRET=1.
+# The Triton wrappers are looked up on their modules at call time (not bound at import): the
+# modules (and Triton) load on first use, and tests can reload one under TRITON_INTERPRET=1.
+def _triton(module: str):
+    return importlib.import_module(f"{__name__}.{module}")
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache[slot_mapping[t]] = key/value[t], in place; slot -1 is skipped."""
     if use_triton(k_cache):
-        return _store_kv.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    return _store_kv.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        kernel = _triton("triton_store_kv").store_kv_triton
+        return kernel(key, value, k_cache, v_cache, slot_mapping)
+    return _cache_ops_ref.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,8 +122,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `prepared`: a dict that lives as long as these block tables (a step's attention metadata):
     the native kernel keeps there what every layer's call over them shares."""
     if use_triton(q):
-        return _decode.paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
-                                                     context_lens, scale, window)
+        kernel = _triton("triton_decode_attention").paged_decode_attention_triton
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window)
     kernel = cpu_decode_kernel()
     if prepared is not None and kernel is _decode_native:
         call = prepared_call(
@@ -136,17 +143,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """out[T, Hq, D]: each sequence's query chunk, causally, against its cached prefix + itself;
     with a sliding window > 0 a row at position p sees keys p - window < j <= p only."""
     if use_triton(q):
-        return _prefill.paged_prefill_attention_triton(q, k_cache, v_cache, block_tables,
-                                                       cu_seqlens_q, context_lens, scale, window)
-    return _prefill.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                context_lens, scale, window)
+        kernel = _triton("triton_prefill_attention").paged_prefill_attention_triton
+    else:
+        kernel = _attention_ref.paged_prefill_attention_ref
+    return kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """kv_cache[:, :, dst] = kv_cache[:, :, src] for every (src, dst) row of block_mapping."""
     if use_triton(kv_cache):
-        return _copy_blocks.copy_blocks_triton(kv_cache, block_mapping)
-    return _copy_blocks.copy_blocks_ref(kv_cache, block_mapping)
+        return _triton("triton_copy_blocks").copy_blocks_triton(kv_cache, block_mapping)
+    return _cache_ops_ref.copy_blocks_ref(kv_cache, block_mapping)
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,

@@ -27,7 +27,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from .paged_decode_attention import _check_decode, gather_pages, window_tables
+from .attention_ref import _check_decode, gather_pages, window_tables
 
 # A bucket holds the sequences whose block count is in (BUCKET_RATIO * top, top]; at most
 # MAX_BUCKETS buckets, the last takes the rest. Padding is then under ~1/3 of the work.

@@ -12,14 +12,13 @@ times the tokens in the same memory.
 Kernels widen every cached element to the query's dtype as they load it. fp8 bytes are widened
 through IEEE half: e5m2 is a half's top byte; e4m3fn's exponent and mantissa bits placed in a
 half (bias 15 instead of 7) give the value divided by 256, subnormals included. The C kernel
-(kernels/native) and the Triton kernels (`load_kv` below, on the cache viewed as bytes) use that
-bit trick; the torch references use torch's own conversion, so tests compare the two.
+(kernels/native) and the Triton kernels (kv_format_triton.py's `load_kv`, on the cache viewed
+as bytes) use that bit trick; the torch references use torch's own conversion, so tests compare
+the two.
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -31,11 +30,9 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
-# Triton's view of a cache: a float dtype Triton loads itself, e4m3fn bytes or e5m2 bytes
-# (constexpr globals, so load_kv can branch on them).
-FORMAT_FLOAT = tl.constexpr(0)
-FORMAT_E4M3 = tl.constexpr(1)
-FORMAT_E5M2 = tl.constexpr(2)
+# Triton's view of a cache (a kernel's KV_FORMAT): a float dtype Triton loads itself, e4m3fn
+# bytes or e5m2 bytes
+FORMAT_FLOAT, FORMAT_E4M3, FORMAT_E5M2 = 0, 1, 2
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -78,18 +75,5 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 def triton_format(dtype: torch.dtype) -> int:
     """The KV_FORMAT a Triton kernel takes for a cache of `dtype`."""
-    fmt = {torch.float8_e4m3fn: FORMAT_E4M3, torch.float8_e5m2: FORMAT_E5M2}.get(dtype, FORMAT_FLOAT)
-    return fmt.value
-
-
-@triton.jit
-def load_kv(ptrs, mask, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
-    """A cache tile widened to DTYPE; fp8 caches come as bytes (see the module docstring)."""
-    if FORMAT == FORMAT_FLOAT:
-        return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
-    bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint16)
-    if FORMAT == FORMAT_E4M3:
-        bits = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
-        return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
-    bits = bits << 8
-    return bits.to(tl.float16, bitcast=True).to(DTYPE)
+    fp8 = {torch.float8_e4m3fn: FORMAT_E4M3, torch.float8_e5m2: FORMAT_E5M2}
+    return fp8.get(dtype, FORMAT_FLOAT)

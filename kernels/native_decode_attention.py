@@ -21,7 +21,7 @@ import torch
 from pagedserve import envs
 
 from . import native
-from .paged_decode_attention import _check_decode
+from .attention_ref import _check_decode
 
 FEATURE = "decode_attention"
 PART_TOKENS = 512  # the smallest partition a row is cut into (rounded to whole blocks)

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
 from pagedserve.kernels.cpu_decode_attention import paged_decode_attention_cpu  # noqa: E402
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native  # noqa: E402
-from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
-from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_ref  # noqa: E402
-from pagedserve.kernels.store_kv import store_kv_ref  # noqa: E402
+from pagedserve.kernels.triton_decode_attention import paged_decode_attention_ref  # noqa: E402
+from pagedserve.kernels.triton_prefill_attention import paged_prefill_attention_ref  # noqa: E402
+from pagedserve.kernels.triton_store_kv import store_kv_ref  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16   # SmolLM2-135M
 

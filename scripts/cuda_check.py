@@ -149,8 +149,8 @@ def greedy_check() -> None:
 def attention_bench() -> None:
     import triton.testing
 
-    from pagedserve.kernels.paged_decode_attention import paged_decode_attention_triton
-    from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
+    from pagedserve.kernels.triton_decode_attention import paged_decode_attention_triton
+    from pagedserve.kernels.triton_prefill_attention import paged_prefill_attention_triton
 
     hq, hkv, d, bs = 9, 3, 64, 16
     dev, dtype = "cuda", torch.bfloat16
@@ -235,6 +235,7 @@ def throughput(out: Path, model_files: Path, sharegpt: Path | None, skip_hf: boo
     text = log.read_text()
     print(text[-3000:])
     result = last_json(text)
+    report["throughput_exit_code"] = proc.returncode
     report.update({f"throughput_{k}": v for k, v in result.items()
                    if k in ("output_tok_s", "hf_static_output_tok_s", "ratio_vs_hf",
                             "roofline_tok_s", "frac_of_roofline", "elapsed_s", "num_prompts")})

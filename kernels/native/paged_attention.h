@@ -4,7 +4,7 @@
  * cache format each (separate files so the compiler builds them in parallel) and task_pool.c
  * runs the tasks.
  *
- * Same contract as paged_decode_attention_ref (kernels/paged_decode_attention.py): caches are layer views
+ * Same contract as paged_decode_attention_ref (kernels/attention_ref.py): caches are layer views
  * [num_blocks, block_size, Hkv, D] with unit stride on D; q and out are [N, Hq, D] contiguous fp32
  * (the Python wrapper converts a bf16 query and output); query head qh reads kv head qh / (Hq / Hkv).
  * The cache holds fp32, bf16 or fp8 (e4m3fn or e5m2, kernels/kv_format.py): one entry point per

@@ -68,10 +68,10 @@ def _attention_variants(decode, prefill, act, cache, fmt, block_size, head_dim):
 
 
 def variants():
-    decode = importlib.import_module("pagedserve.kernels.paged_decode_attention")
-    prefill = importlib.import_module("pagedserve.kernels.paged_prefill_attention")
-    store = importlib.import_module("pagedserve.kernels.store_kv")
-    copy = importlib.import_module("pagedserve.kernels.copy_blocks")
+    decode = importlib.import_module("pagedserve.kernels.triton_decode_attention")
+    prefill = importlib.import_module("pagedserve.kernels.triton_prefill_attention")
+    store = importlib.import_module("pagedserve.kernels.triton_store_kv")
+    copy = importlib.import_module("pagedserve.kernels.triton_copy_blocks")
     for (act, cache, cache_dtype), block_size in itertools.product(CACHES, BLOCK_SIZES):
         for head_dim in HEAD_DIMS[block_size]:
             yield from _attention_variants(decode, prefill, act, cache, triton_format(cache_dtype),

@@ -11,7 +11,7 @@ from paged_inputs import (WINDOW_SHAPES, make_kv_cache, naive_attention, rel_err
 from pagedserve import envs, kernels
 from pagedserve.kernels import cpu_decode_attention
 from pagedserve.kernels.cpu_decode_attention import bucket_bounds, paged_decode_attention_cpu
-from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve.kernels.triton_decode_attention import paged_decode_attention_ref
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -10,10 +10,10 @@ from paged_inputs import (WINDOW_SHAPES, make_kv_cache, naive_attention, rel_err
                           shuffled_block_tables, window_case)
 
 from pagedserve import envs, kernels
-from pagedserve.kernels.copy_blocks import copy_blocks_ref
-from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pagedserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
-from pagedserve.kernels.store_kv import store_kv_ref
+from pagedserve.kernels.triton_copy_blocks import copy_blocks_ref
+from pagedserve.kernels.triton_decode_attention import paged_decode_attention_ref
+from pagedserve.kernels.triton_prefill_attention import paged_prefill_attention_ref
+from pagedserve.kernels.triton_store_kv import store_kv_ref
 from pagedserve.kernels.swap_blocks import swap_blocks_ref
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -130,7 +130,8 @@ def test_wrappers_reject_bad_arguments():
 
 def test_dispatch_uses_torch_for_cpu_tensors(monkeypatch, rng):
     called = []
-    monkeypatch.setattr(kernels._decode, "paged_decode_attention_triton",
+    from pagedserve.kernels import triton_decode_attention
+    monkeypatch.setattr(triton_decode_attention, "paged_decode_attention_triton",
                         lambda *args: called.append("triton"))
     kv_cache = make_kv_cache(rng, 1, 4, 16, 2, 16, torch.float32)
     args = (torch.randn(1, 4, 16, generator=rng), kv_cache[0, 0], kv_cache[0, 1],
@@ -152,19 +153,21 @@ def test_dispatch_uses_torch_for_cpu_tensors(monkeypatch, rng):
 
 
 def test_imports_and_serves_on_cpu_without_interpreter():
-    """A CPU-only host without TRITON_INTERPRET imports every kernel module and runs the torch
-    path through the dispatch."""
+    """A CPU-only host without TRITON_INTERPRET runs the torch path through the dispatch without
+    importing Triton, and imports the Triton kernel modules when asked."""
     code = (
-        "import importlib, torch\nimport pagedserve.kernels as kernels\n"
-        "s = importlib.import_module('pagedserve.kernels.store_kv')\n"
-        "from triton.runtime.jit import JITFunction\n"
-        "assert isinstance(s._store_kv_kernel, JITFunction)\n"
+        "import importlib, sys, torch\nimport pagedserve.kernels as kernels\n"
         "kv = torch.zeros(1, 2, 2, 16, 1, 16)\n"
         "kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), kv[0, 0], kv[0, 1],"
         " torch.tensor([3]))\n"
         "out = kernels.paged_decode_attention(torch.ones(1, 1, 16), kv[0, 0], kv[0, 1],"
         " torch.tensor([[0]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 1.0)\n"
         "assert kv[0, 0, 0, 3].sum() == 16 and torch.isfinite(out).all()\n"
+        "assert 'triton' not in sys.modules   # the torch path never needs it\n"
+        "s = importlib.import_module('pagedserve.kernels.triton_store_kv')\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "assert isinstance(s._store_kv_kernel, JITFunction)\n"
+        "assert callable(kernels.store_kv)   # the package's function, not shadowed\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -3,7 +3,7 @@ moves (copy-on-write, swap) on fp8 caches, whose CPU index ops run on the bytes.
 import pytest
 import torch
 
-from pagedserve.kernels.copy_blocks import copy_blocks_ref
+from pagedserve.kernels.triton_copy_blocks import copy_blocks_ref
 from pagedserve.kernels.kv_format import (KV_CACHE_DTYPES, check_storage, raw, resolve_kv_cache_dtype,
                                to_storage)
 from pagedserve.kernels.swap_blocks import swap_blocks_ref

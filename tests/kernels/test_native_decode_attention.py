@@ -13,7 +13,7 @@ from pagedserve import kernels
 from pagedserve.kernels import native_decode_attention
 from pagedserve.kernels.kv_format import to_storage
 from pagedserve.kernels.native_decode_attention import paged_decode_attention_native
-from pagedserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pagedserve.kernels.triton_decode_attention import paged_decode_attention_ref
 
 pytestmark = PER_VARIANT
 

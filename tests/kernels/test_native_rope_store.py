@@ -9,7 +9,7 @@ import torch
 from native_variants import PER_VARIANT
 
 from pagedserve.kernels import native_rope_store
-from pagedserve.kernels.store_kv import store_kv_ref
+from pagedserve.kernels.triton_store_kv import store_kv_ref
 from pagedserve.workers.models.rotary import RotaryEmbedding
 
 pytestmark = PER_VARIANT

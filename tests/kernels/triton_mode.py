@@ -6,18 +6,20 @@ import importlib
 
 import torch
 
+# the kernels' names -> (their module under pagedserve.kernels, the Triton kernel in it)
 KERNEL_MODULES = {
-    "store_kv": "_store_kv_kernel",
-    "paged_decode_attention": "_paged_decode_kernel",
-    "paged_prefill_attention": "_paged_prefill_kernel",
-    "copy_blocks": "_copy_blocks_kernel",
+    "store_kv": ("triton_store_kv", "_store_kv_kernel"),
+    "paged_decode_attention": ("triton_decode_attention", "_paged_decode_kernel"),
+    "paged_prefill_attention": ("triton_prefill_attention", "_paged_prefill_kernel"),
+    "copy_blocks": ("triton_copy_blocks", "_copy_blocks_kernel"),
 }
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kernel_modules():
-    return {name: importlib.import_module(f"pagedserve.kernels.{name}") for name in KERNEL_MODULES}
+    return {name: importlib.import_module(f"pagedserve.kernels.{module}")
+            for name, (module, _) in KERNEL_MODULES.items()}
 
 
 def triton_runs_here() -> bool:
@@ -27,7 +29,7 @@ def triton_runs_here() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
     modules = kernel_modules()
     return all(isinstance(getattr(modules[name], kernel), InterpretedFunction)
-               for name, kernel in KERNEL_MODULES.items())
+               for name, (_, kernel) in KERNEL_MODULES.items())
 
 
 def run_in_interpreter(path: str, select: str) -> None:

@@ -227,3 +227,29 @@ def test_a_plan_made_ahead_decodes_the_tokens_this_rank_sampled(tiny_dir):
     other_rank = make_core(tiny_dir, sampler=False)
     with pytest.raises(ValueError, match="only the sampling rank knows"):
         other_rank.execute(empty_plan(1, decode_seq_ids=[0], decode_token_ids=[-1], ahead=True))
+
+
+def test_a_cpu_worker_never_imports_triton(tiny_dir):
+    """Triton holds ~100 MB of a process's RSS: a CPU worker's steps (chunked prefill, decode,
+    copy-on-write) run the native kernels and the torch references, and never import it."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys\nsys.path.insert(0, 'tests/workers')\n"
+        "import torch\nfrom test_worker_core import make_core, run_greedy\n"
+        "from pagedserve import kernels\n"
+        f"core = make_core({str(tiny_dir)!r})\n"
+        "out = run_greedy(core.execute, [[5, 9, 3] * 9, [7, 8]], 6, chunk=7)\n"
+        "assert [len(o) for o in out] == [6, 6], out\n"
+        "kv = torch.randn(2, 2, 4, 16, 2, 8)\n"
+        "kernels.copy_blocks(kv, torch.tensor([[0, 3]]))\n"
+        "assert torch.equal(kv[:, :, 3], kv[:, :, 0])\n"
+        "assert 'triton' not in sys.modules, [m for m in sys.modules if 'triton' in m][:5]\n"
+        "import pagedserve.kernels.triton_copy_blocks\n"
+        "assert 'triton' in sys.modules    # the check above can fail\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -10,102 +10,16 @@ its elements are widened to q's dtype as they are read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _checks
-from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
+from ._checks import (LOG2E, check_triton_cache,
                       dot_precision, kv_tile_tokens, require, triton_dtype)
-from ._workspace import scratch
-from .kv_format import load_kv, raw, triton_format
-
-
-def _check_decode(q, k_cache, v_cache, block_tables, context_lens) -> tuple[int, int, int, int]:
-    check_cache_pair("paged_decode_attention", k_cache, v_cache)
-    dims = check_query("paged_decode_attention", q, k_cache)
-    check_int_tensor("paged_decode_attention", "block_tables", block_tables, 2, torch.int32,
-                     k_cache.device)
-    check_int_tensor("paged_decode_attention", "context_lens", context_lens, 1, torch.int32,
-                     k_cache.device)
-    if block_tables.shape[0] != q.shape[0] or context_lens.shape[0] != q.shape[0]:
-        raise ValueError(f"paged_decode_attention: q has {q.shape[0]} sequences but block_tables "
-                         f"has {block_tables.shape[0]} rows and context_lens "
-                         f"{context_lens.shape[0]}")
-    return dims
-
-
-def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
-                 purpose: str) -> torch.Tensor:
-    """cache[block_tables[:, :num_blocks]] as [rows, num_blocks * block_size, Hkv, D] in scratch.
-
-    Unused table entries may hold padding such as -1: they are clamped to block 0 and the caller
-    masks the positions they produce.
-    """
-    rows = block_tables.shape[0]
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    ids = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
-    out = scratch(purpose, (rows * num_blocks, block_size, num_kv_heads, head_dim),
-                  cache.dtype, cache.device)
-    torch.index_select(raw(cache), 0, ids, out=raw(out))
-    return out.view(rows, num_blocks * block_size, num_kv_heads, head_dim)
-
-
-def window_start(context_lens: torch.Tensor, window: int) -> torch.Tensor:
-    """Each row's first visible key: max(0, context_len - window); 0 everywhere without one."""
-    if window <= 0:
-        return torch.zeros_like(context_lens)
-    return (context_lens - window).clamp(min=0)
-
-
-def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' tables from the block holding each row's first visible key on, and each row's
-    (first visible key, context length) counted from that block's first position.
-
-    Entries shifted in past a row's table repeat its last entry; they lie past its context."""
-    first_key = window_start(context_lens, window)
-    first_block = first_key // block_size
-    width = block_tables.shape[1]
-    columns = torch.arange(width, device=block_tables.device)
-    index = (first_block[:, None] + columns[None, :]).clamp(max=width - 1)
-    offset = first_block * block_size
-    return block_tables.gather(1, index), first_key - offset, context_lens - offset
-
-
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, window: int = 0) -> torch.Tensor:
-    """Torch reference and CPU serving path: gather, mask, batched SDPA (fp32 softmax inside).
-
-    Pages are gathered only up to the longest context in the batch (with a window: from each
-    row's first visible block, up to the longest such span). GQA is handled by SDPA's enable_gqa
-    (no repeat_interleave of K/V).
-    """
-    num_seqs, num_q_heads, _, head_dim = _check_decode(q, k_cache, v_cache, block_tables,
-                                                       context_lens)
-    if num_seqs == 0:
-        return q.new_empty(q.shape)
-    block_size = k_cache.shape[1]
-    first = None
-    if window > 0:
-        block_tables, first, context_lens = window_tables(block_tables, context_lens,
-                                                          block_size, window)
-    max_context = int(context_lens.max())
-    num_blocks = triton.cdiv(max_context, block_size)
-    keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").to(q.dtype)
-    values = gather_pages(v_cache, block_tables, num_blocks, "decode_v").to(q.dtype)
-    positions = torch.arange(num_blocks * block_size, device=q.device)
-    visible = positions[None, :] < context_lens[:, None]
-    if first is not None:
-        # padding and keys before the window may hold anything (even NaN): zero, not just mask
-        visible &= positions[None, :] >= first[:, None]
-        keys = keys.masked_fill(~visible[:, :, None, None], 0)
-        values = values.masked_fill(~visible[:, :, None, None], 0)
-    out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_q_heads, 1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=visible.view(num_seqs, 1, 1, -1), scale=scale, enable_gqa=True)
-    return out.view(num_seqs, num_q_heads, head_dim)
+from .kv_format import raw, triton_format
+from .kv_format_triton import load_kv
+from .attention_ref import (  # noqa: F401 (re-exported: the reference beside its kernel)
+    _check_decode, gather_pages, window_start, window_tables, paged_decode_attention_ref)
 
 
 @triton.jit

@@ -9,27 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_block_mapping, require
+from ._checks import require
 from .kv_format import raw
-
-
-def _check_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    require(kv_cache.dim() == 6 and kv_cache.shape[1] == 2,
-            f"copy_blocks: kv_cache must be [num_layers, 2, num_blocks, block_size, Hkv, D], "
-            f"got shape {tuple(kv_cache.shape)}")
-    check_block_mapping("copy_blocks", block_mapping)
-    require(block_mapping.device == kv_cache.device,
-            f"copy_blocks: block_mapping on {block_mapping.device} but kv_cache on {kv_cache.device}")
-
-
-def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Torch reference: kv_cache[:, :, dst] = kv_cache[:, :, src] for every (src, dst) row."""
-    _check_copy_blocks(kv_cache, block_mapping)
-    if block_mapping.shape[0] == 0:
-        return
-    src, dst = block_mapping[:, 0], block_mapping[:, 1]
-    kv_cache = raw(kv_cache)  # fp8 as bytes: CPU index_copy_ has no fp8 kernel
-    kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
+from .cache_ops_ref import (  # noqa: F401 (re-exported: the reference beside its kernel)
+    _check_copy_blocks, copy_blocks_ref)
 
 
 @triton.jit

@@ -11,90 +11,16 @@ prefix-cache hits alike.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _checks
-from ._checks import (LOG2E, check_cache_pair, check_int_tensor, check_query, check_triton_cache,
+from ._checks import (LOG2E, check_triton_cache,
                       dot_precision, kv_tile_tokens, require, triton_dtype)
-from .kv_format import load_kv, raw, triton_format
-
-
-def _check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
-    check_cache_pair("paged_prefill_attention", k_cache, v_cache)
-    dims = check_query("paged_prefill_attention", q, k_cache)
-    for arg, t, ndim in (("block_tables", block_tables, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
-                         ("context_lens", context_lens, 1)):
-        check_int_tensor("paged_prefill_attention", arg, t, ndim, torch.int32, k_cache.device)
-    num_seqs = context_lens.shape[0]
-    require(block_tables.shape[0] == num_seqs and cu_seqlens_q.shape[0] == num_seqs + 1,
-            f"paged_prefill_attention: {num_seqs} context_lens need {num_seqs} block_tables rows "
-            f"and {num_seqs + 1} cu_seqlens_q entries, got {block_tables.shape[0]} and "
-            f"{cu_seqlens_q.shape[0]}")
-    return dims
-
-
-def widen(cache: torch.Tensor, ids: torch.Tensor, context_len: int,
-          dtype: torch.dtype) -> torch.Tensor:
-    """The first context_len tokens of pages `ids`, as [context_len, Hkv, D] in `dtype`."""
-    pages = raw(cache).index_select(0, ids).view(cache.dtype)
-    return pages.flatten(0, 1)[:context_len].to(dtype)
-
-
-def _attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
-                     context_len: int, window: int, scale: float) -> torch.Tensor:
-    """SDPA of one sequence's chunk q [q_len, Hq, D] (its last q_len positions) over its keys
-    first_key .. context_len - 1 ([n, Hkv, D]); returns [q_len, Hq, D]."""
-    q_len = q.shape[0]
-    if q_len == context_len and window <= 0:
-        mask, causal = None, True
-    else:
-        # bottom-right aligned causal mask (SDPA's is_causal is top-left), and the window
-        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        key_pos = torch.arange(first_key, context_len, device=q.device)
-        mask, causal = key_pos[None, :] <= query_pos[:, None], False
-        if window > 0:
-            mask &= key_pos[None, :] > query_pos[:, None] - window
-    attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-    return attended[0].transpose(0, 1)
-
-
-def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float,
-                                window: int = 0) -> torch.Tensor:
-    """Torch reference and CPU serving path.
-
-    Loops over the (few) sequences of a step; within one it gathers the pages up to its context
-    (with a window: from the block of its first row's window start) and runs one SDPA over all
-    its query rows and heads (fp32 softmax inside, GQA via enable_gqa).
-    """
-    _, num_q_heads, _, head_dim = _check_prefill(q, k_cache, v_cache, block_tables,
-                                                 cu_seqlens_q, context_lens)
-    out = _checks.new_output(tuple(q.shape), q)
-    block_size = k_cache.shape[1]
-    starts = cu_seqlens_q.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        require(q_len <= context_len,
-                f"paged_prefill_attention: sequence {seq} has {q_len} query tokens but a "
-                f"context of only {context_len}")
-        first_block = 0
-        if window > 0:
-            first_block = max(0, context_len - q_len - window + 1) // block_size
-        ids = block_tables[seq, first_block:triton.cdiv(context_len, block_size)].long()
-        first_key = first_block * block_size
-        keys = widen(k_cache, ids, context_len - first_key, q.dtype)
-        values = widen(v_cache, ids, context_len - first_key, q.dtype)
-        out[q_start:q_end] = _attend_sequence(q[q_start:q_end], keys, values, first_key,
-                                              context_len, window, scale)
-    return out
+from .kv_format import raw, triton_format
+from .kv_format_triton import load_kv
+from .attention_ref import (  # noqa: F401 (re-exported: the reference beside its kernel)
+    _check_prefill, widen, _attend_sequence, paged_prefill_attention_ref)
 
 
 @triton.jit

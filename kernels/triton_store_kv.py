@@ -10,41 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_cache_pair, check_int_tensor, require
-from .kv_format import check_storage, raw, to_storage
-
-
-def _check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    check_cache_pair("store_kv", k_cache, v_cache)
-    require(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:],
-            f"store_kv: key must be [T, Hkv={k_cache.shape[2]}, D={k_cache.shape[3]}], "
-            f"got {tuple(key.shape)}")
-    require(value.shape == key.shape,
-            f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    require(value.dtype == key.dtype,
-            f"store_kv: value dtype {value.dtype} != key dtype {key.dtype}")
-    check_storage("store_kv", key.dtype, k_cache.dtype)
-    require(key.stride(-1) == 1 and value.stride(-1) == 1,
-            f"store_kv: key/value head_dim axis must have stride 1, got {key.stride()}, {value.stride()}")
-    check_int_tensor("store_kv", "slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
-    require(slot_mapping.shape[0] == key.shape[0],
-            f"store_kv: slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
-
-
-def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Torch reference: k_cache/v_cache[slot] = key/value[t] for every t with slot >= 0."""
-    _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
-    num_blocks, block_size = k_cache.shape[:2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    # Flattening [num_blocks, block_size] into slots needs those two axes to be mergeable,
-    # which holds for layer views of the contract's kv_cache (inner axes contiguous).
-    k_slots = raw(k_cache).view(num_blocks * block_size, *k_cache.shape[2:])
-    v_slots = raw(v_cache).view(num_blocks * block_size, *v_cache.shape[2:])
-    k_slots.index_copy_(0, slot_mapping, raw(to_storage(key, k_cache.dtype)))
-    v_slots.index_copy_(0, slot_mapping, raw(to_storage(value, v_cache.dtype)))
+from ._checks import require
+from .kv_format import raw, to_storage
+from .cache_ops_ref import (  # noqa: F401 (re-exported: the reference beside its kernel)
+    _check_store_kv, store_kv_ref)
 
 
 @triton.jit
