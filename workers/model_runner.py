@@ -2,7 +2,6 @@
 flat tensors (once per step, vectorised) and returns the logits of the rows that sample."""
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
 from itertools import chain
@@ -22,20 +21,11 @@ from pagedserve.workers.kv_cache import allocate_kv_cache
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
+from pagedserve.workers.heap import trim_heap
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
 
 log = logging.getLogger(__name__)
-
-
-def _trim_heap() -> None:
-    """Hand freed heap memory back to the OS (glibc's malloc_trim): the released weights are
-    mostly heap blocks of a few MB, which free() keeps in the process (SmolLM2 fp32 worker: RSS
-    1,461 MiB packed, 1,216 after the release, 1,054 after the trim)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):   # not glibc
-        pass
 
 
 @dataclass(slots=True)
@@ -108,7 +98,7 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_weights(model_dir, dtype,
                                                  keep_quantized=quantization in KEPT_QUANTIZED))
-            _trim_heap()   # the parts of fused quantized weights, copied once into one tensor
+            trim_heap()   # the parts of fused quantized weights, copied once into one tensor
         self.model.eval()
         if quantization == "int8":
             done, total = quantize_linears(self.model)
@@ -118,7 +108,7 @@ class ModelRunner:
             prepack_linears(self.model)
             freed = release_packed_weights(self.model)
             if freed:
-                _trim_heap()
+                trim_heap()
                 log.info("packed linears: freed %.1f MiB of plain weights", freed / 2**20)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
                                           self.device, tp_size, tp_rank)

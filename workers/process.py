@@ -15,6 +15,7 @@ from pagedserve import cluster_auth, transport
 from pagedserve.lifecycle import start_role
 from pagedserve.pipeline import messages
 from pagedserve.workers.build import build_core
+from pagedserve.workers.heap import IdleTrim
 from pagedserve.workers.service import WorkerService, WorkerStopped
 
 def main() -> int:
@@ -41,8 +42,13 @@ def main() -> int:
                                                       f"{num_blocks} KV blocks"))
         log.info("ready: %d device blocks, %d host blocks", num_blocks, num_cpu_blocks)
         role.faults.started()
+        trim = IdleTrim()       # an idle worker hands a large step's activations back
         while True:
+            if not sched.poll(trim.after_ms):
+                trim.idle()
+                continue
             dispatcher.receive(sched.recv_multipart())
+            trim.busy()
     except WorkerStopped as stop:
         log.info("stop (%s)", stop)
         return 0

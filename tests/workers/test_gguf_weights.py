@@ -64,3 +64,33 @@ def test_a_tensor_of_a_type_the_engine_does_not_know_is_named_at_start(tmp_path)
     path.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="tensor blk.0.attn_q.weight has tensor type 99"):
         check_gguf(path)
+
+
+def test_an_untied_models_embedding_table_stays_a_mapping_of_the_file(tmp_path):
+    """With its own LM head (output.weight), a model only looks rows of token_embd up: the table
+    is a private mapping of the file (resident only where rows were read), the LM head is read
+    into memory as every other weight."""
+    from tests.script_module import load_script
+    from pagedserve.workers.gguf_weights import iter_gguf_weights
+    script = load_script("write_random_gguf")
+    path = tmp_path / "tiny.gguf"
+    script.write_random_gguf(path, script.PRESETS["tiny"], "Q4_K")
+    weights = dict(iter_gguf_weights(path, {"num_attention_heads": 4, "num_key_value_heads": 2},
+                                     torch.float32))
+    table, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    assert isinstance(table, QuantizedWeight) and table.qtype.name == "Q4_K"
+
+    def mapped_from_file(t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        for line in open("/proc/self/maps"):
+            span, *_, name = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= ptr < high:
+                return name.strip() == str(path)
+        return False
+    assert mapped_from_file(table.data) and not mapped_from_file(head.data)
+    # the same bytes as reading: the rows dequantize alike
+    tied = dict(iter_gguf_weights(path, {"num_attention_heads": 4, "num_key_value_heads": 2},
+                                  torch.float32, keep_quantized=False))
+    rows = torch.tensor([0, 7, 31999])
+    assert torch.equal(table.dequantize()[rows], tied["model.embed_tokens.weight"][rows])
