@@ -253,3 +253,20 @@ def test_a_cpu_worker_never_imports_triton(tiny_dir):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=300, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_dir, monkeypatch):
+    from pagedserve.workers.models import decoder
+    mlp = make_core(tiny_dir).runner.model.layers[0].mlp
+    x = torch.randn(300, load_config(tiny_dir).hidden_size,
+                    generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(decoder, "MLP_ROWS", 10**9)
+    whole = mlp(x)
+    calls = []
+    inner = mlp.gate_up_proj.forward
+    monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda part: calls.append(len(part))
+                        or inner(part))
+    monkeypatch.setattr(decoder, "MLP_ROWS", 64)
+    sliced = mlp(x)
+    assert calls == [64, 64, 64, 64, 44]
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-6)
