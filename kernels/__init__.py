@@ -21,13 +21,12 @@ the first kernel call; kernels/paths.py reports the path each op takes and why.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import torch
 
 from pagedserve import envs
-
-import importlib
 
 from . import attention_ref as _attention_ref
 from . import cache_ops_ref as _cache_ops_ref

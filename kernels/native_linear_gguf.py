@@ -90,7 +90,8 @@ def packing_supported() -> bool:
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A QuantizedWeight of a PACKED_TYPES type repacked into panels of 16 rows: the raw bytes in
-    the order the panel kernel reads them (Q4_K adds its decoded scales), `pack` / `unpack`."""
+    the order the panel kernel reads them (Q4_K's 6-bit scales and mins as bytes), `pack` /
+    `unpack`."""
     qtype: QType
     data: torch.Tensor                  # uint8 [gguf_packed_bytes(qtype, n, k)]
     n: int

@@ -3,7 +3,7 @@
 free() keeps what a process freed for its next allocations: the weights released while loading
 (mostly heap blocks of a few MB; SmolLM2 fp32 worker: RSS 1,461 MiB packed, 1,216 after the
 release, 1,054 after a trim), and a large step's activations (Qwen2.5-Coder-1.5B: a 512-token
-prefill leaves ~120 MiB). `trim_heap` returns it; `IdleTrim` does so once whenever a worker has
+prefill leaves ~60 MiB). `trim_heap` returns it; `IdleTrim` does so once whenever a worker has
 been idle a while, never between the steps of a busy one (whose next step would fault the pages
 back in).
 """

@@ -17,11 +17,11 @@ from pagedserve.workers.cpu_decode_replay import CpuDecodeReplay
 from pagedserve.workers.cpu_decode_replay import unsupported_reason as replay_unsupported
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
+from pagedserve.workers.heap import trim_heap
 from pagedserve.workers.kv_cache import allocate_kv_cache
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
-from pagedserve.workers.heap import trim_heap
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
 
