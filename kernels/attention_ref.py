@@ -66,6 +66,21 @@ def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
     return block_tables.gather(1, index), first_key - offset, context_lens - offset
 
 
+def decode_inputs(q, k_cache, v_cache, block_tables, context_lens, window: int):
+    """The decode paths' inputs checked (_check_decode) and seen through the window: (num_seqs,
+    num_q_heads, head_dim, block_size, block tables, each row's first visible key or None,
+    context lens), the tables and lens window_tables' with a window > 0; None for no sequence."""
+    num_seqs, num_q_heads, _, head_dim = _check_decode(q, k_cache, v_cache, block_tables,
+                                                       context_lens)
+    if num_seqs == 0:
+        return None
+    block_size, first = k_cache.shape[1], None
+    if window > 0:
+        block_tables, first, context_lens = window_tables(block_tables, context_lens,
+                                                          block_size, window)
+    return num_seqs, num_q_heads, head_dim, block_size, block_tables, first, context_lens
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, window: int = 0) -> torch.Tensor:
@@ -75,15 +90,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     row's first visible block, up to the longest such span). GQA is handled by SDPA's enable_gqa
     (no repeat_interleave of K/V).
     """
-    num_seqs, num_q_heads, _, head_dim = _check_decode(q, k_cache, v_cache, block_tables,
-                                                       context_lens)
-    if num_seqs == 0:
+    inputs = decode_inputs(q, k_cache, v_cache, block_tables, context_lens, window)
+    if inputs is None:
         return q.new_empty(q.shape)
-    block_size = k_cache.shape[1]
-    first = None
-    if window > 0:
-        block_tables, first, context_lens = window_tables(block_tables, context_lens,
-                                                          block_size, window)
+    num_seqs, num_q_heads, head_dim, block_size, block_tables, first, context_lens = inputs
     max_context = int(context_lens.max())
     num_blocks = -(-max_context // block_size)
     keys = gather_pages(k_cache, block_tables, num_blocks, "decode_k").to(q.dtype)

@@ -27,7 +27,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from .attention_ref import _check_decode, gather_pages, window_tables
+from .attention_ref import decode_inputs, gather_pages
 
 # A bucket holds the sequences whose block count is in (BUCKET_RATIO * top, top]; at most
 # MAX_BUCKETS buckets, the last takes the rest. Padding is then under ~1/3 of the work.
@@ -59,15 +59,10 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Every op here is one OpenMP region; on shared cores each costs ~1 ms of barrier waiting
     whatever its size, so the per-bucket work is kept to gather K, gather V and one SDPA.
     """
-    num_seqs, num_q_heads, _, head_dim = _check_decode(q, k_cache, v_cache, block_tables,
-                                                       context_lens)
-    if num_seqs == 0:
+    inputs = decode_inputs(q, k_cache, v_cache, block_tables, context_lens, window)
+    if inputs is None:
         return q.new_empty(q.shape)
-    block_size = k_cache.shape[1]
-    first = None
-    if window > 0:
-        block_tables, first, context_lens = window_tables(block_tables, context_lens,
-                                                          block_size, window)
+    num_seqs, num_q_heads, head_dim, block_size, block_tables, first, context_lens = inputs
     lens_desc, order = torch.sort(context_lens, descending=True, stable=True)
     blocks_desc = [-(-n // block_size) for n in lens_desc.tolist()]
     bounds = bucket_bounds(blocks_desc)
