@@ -10,7 +10,6 @@ converter added.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -69,17 +68,14 @@ def iter_gguf_weights(path: Path, config: dict, dtype: torch.dtype, keep_quantiz
         yield from _tensors(path, file, arch, tensors, data_start, config, dtype, keep_quantized)
 
 
-def _lookup_table(path: Path, file, tensor, data_start: int) -> torch.Tensor:
+def _lookup_table(file, tensor, data_start: int) -> torch.Tensor:
     """A tensor that is only ever looked up by rows (an embedding table whose model has its own
     LM head), kept as a private mapping of the file: a process's RSS holds only the pages of the
     rows it has looked up, not the whole table (Qwen2.5-Coder-1.5B's Q4_K table: 125 MiB)."""
-    import mmap
-    start = data_start + tensor.offset
-    if start + tensor.nbytes > os.fstat(file.fileno()).st_size:
-        raise ModelLoadError(f"{path}: truncated GGUF file: tensor {tensor.name} ends past the "
-                             f"end of the file")
+    import mmap   # (gguf_tensors has checked that every tensor lies inside the file)
     mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)   # the tensor keeps it
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=tensor.nbytes, offset=start)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=tensor.nbytes,
+                            offset=data_start + tensor.offset)
 
 
 def _tensors(path: Path, file, arch: str, tensors: list, data_start: int, config: dict,
@@ -98,7 +94,7 @@ def _tensors(path: Path, file, arch: str, tensors: list, data_start: int, config
         rows = int(np.prod(tensor.dims[1:])) if len(tensor.dims) > 1 else 1
         if untied and keep_quantized and tensor.name == "token_embd.weight" \
                 and qtype in QType._value2member_map_ and len(tensor.dims) == 2:
-            table = _lookup_table(path, file, tensor, data_start)
+            table = _lookup_table(file, tensor, data_start)
             yield name, QuantizedWeight(QType(qtype), table.view(rows, -1), cols)
             continue
         # read, not mapped: the kernels read a mapping's 4 KiB pages at a third of the speed of
