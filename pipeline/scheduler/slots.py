@@ -48,6 +48,7 @@ def can_swap_in(seq: Sequence, chunk: int, kv, num_watermark_blocks: int) -> boo
     if not kv.can_swap_in(seq.seq_id, seq.num_computed_tokens):
         return False
     bs = kv.block_size
-    held = -(-seq.num_reserved_tokens // bs) - kv.num_released_blocks(seq.seq_id)
-    more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - held)
+    table = -(-seq.num_reserved_tokens // bs)  # blocks a sliding window released included
+    held = table - kv.num_released_blocks(seq.seq_id)
+    more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - table)
     return kv.num_free_blocks - held - more >= num_watermark_blocks

@@ -120,6 +120,25 @@ def test_a_preempted_windowed_sequence_resumes(mode):
     assert sched.kv.stats().gpu_blocks_used == sched.kv.stats().cpu_blocks_used == 0
 
 
+def test_a_sequence_swapped_out_past_a_pool_of_blocks_comes_back():
+    """Found by Hypothesis: swap-in counted the blocks the window had released as ones its next
+    token still needed, so a sequence whose table outgrew the pool never came back."""
+    sched, worker = _windowed(7, 8, policy="priority", preemption_mode="swap")
+    for rid in ("low1", "low2"):
+        sched.add(Request(rid, PROMPT, _params(), priority=5))
+    for _ in range(26):
+        step(sched, worker)
+    low2 = sched.requests["low2"].seqs[0]
+    assert len(sched.kv.block_table(low2.seq_id)) > 7  # its table is longer than the pool
+    high = list(range(60, 80))
+    sched.add(Request("high", high, _params(max_tokens=4), priority=0))
+    step(sched, worker)
+    assert low2.status is SequenceStatus.SWAPPED
+    tokens, reasons, _ = drive(sched, worker, max_steps=200)
+    assert reasons == {"low1": {0: "length"}, "low2": {0: "length"}, "high": {0: "length"}}
+    assert sched_tokens(low2) == expected_tokens(PROMPT, LONG, worker.vocab, window=W)
+
+
 def sched_tokens(seq):
     return seq.token_ids[seq.num_prompt_tokens:]
 
