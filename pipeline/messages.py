@@ -102,9 +102,9 @@ class StepPlan(msgspec.Struct, gc=False):
     decode_token_ids: list[int] = []
     decode_new_blocks: list[tuple[int, int]] = []
     grammar: GrammarMasks | None = None  # structured output's masks, when any sample has one
-    # Planned before the previous step's result was back (overlapped scheduling, one rank):
-    # each decode column's token is the one the worker sampled for that sequence last step
-    # (decode_token_ids holds -1s).
+    # Planned before the previous step's result was back (overlapped scheduling): each decode
+    # column's token is the one rank 0 sampled for that sequence last step, which the other
+    # ranks receive by broadcast (decode_token_ids holds -1s).
     ahead: bool = False
 
     def seq_steps(self) -> list[ScheduledSeq]:

@@ -190,19 +190,28 @@ class WorkerCore:
 
     def _decode_tokens(self, plan: StepPlan) -> list[int]:
         """The decode columns' input tokens: the plan's, or for a plan made before the last
-        step's result was back (overlapped scheduling) the ones this rank sampled then."""
+        step's result was back (overlapped scheduling) the ones rank 0 sampled then, which
+        the other ranks of a tensor-parallel group receive by broadcast (-1: sampled none)."""
         if not plan.ahead:
             return plan.decode_token_ids
-        if self.sampler is None:
-            raise ValueError(f"plan {plan.step_id} follows the last step's samples, which only "
-                             "the sampling rank knows (tensor parallel groups plan each step)")
-        last = self._last_result
-        sampled = dict(zip(last.seq_ids, last.token_ids)) if last is not None else {}
-        for seq_id in plan.decode_seq_ids:
-            if seq_id not in sampled:
+        tp = self.runner.tp
+        if self.sampler is None and tp.size == 1:
+            raise ValueError(f"plan {plan.step_id} follows the last step's samples, but this "
+                             "rank does not sample")
+        if self.sampler is not None:
+            last = self._last_result
+            sampled = dict(zip(last.seq_ids, last.token_ids)) if last is not None else {}
+            tokens = [sampled.get(seq_id, -1) for seq_id in plan.decode_seq_ids]
+        else:
+            tokens = [-1] * len(plan.decode_seq_ids)
+        if tp.size > 1:
+            shared = torch.tensor(tokens, dtype=torch.int64, device=self.runner.device)
+            tokens = tp.broadcast_from_first(shared).tolist()
+        for seq_id, token in zip(plan.decode_seq_ids, tokens):
+            if token < 0:
                 raise ValueError(f"plan {plan.step_id} follows the last step's samples, but seq "
                                  f"{seq_id} sampled nothing yet")
-        return [sampled[seq_id] for seq_id in plan.decode_seq_ids]
+        return tokens
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
                 rows: list[int]) -> StepResult:

@@ -1,4 +1,4 @@
-"""Tensor-parallel process group: gloo on CPU, NCCL on CUDA, and the one collective we need."""
+"""Tensor-parallel process group: gloo on CPU, NCCL on CUDA, and the two collectives we need."""
 from __future__ import annotations
 
 import datetime
@@ -28,6 +28,12 @@ class TPGroup:
         """Sum `tensor` over the ranks in place and return it."""
         if self.size > 1:
             dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place; a no-op at size 1."""
+        if self.size > 1:
+            dist.broadcast(tensor, src=0)
         return tensor
 
 

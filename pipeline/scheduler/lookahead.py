@@ -1,22 +1,27 @@
 """Overlapped scheduling: the next step of steady decodes planned while the workers compute
 this one.
 
-A step whose every running sequence is a lane (one token each, in blocks the workers hold,
-short of max_tokens: plan.py's lane_cap) is followed, before its result is back, by a plan of
-the same lanes one token further. The workers do not wait for the scheduler's round trip:
-the moment a step ends they run the next, each lane's input being the token that rank just
-sampled for it (StepPlan.ahead). The scheduler learns those tokens from the first step's
-result, then counts the second step as in flight exactly as `schedule()` would have planned it
-(`promote`).
+A step whose every running sequence is a lane (one token each, short of max_tokens: plan.py's
+lane_cap) is followed, before its result is back, by a plan of the same lanes one token further.
+The workers do not wait for the scheduler's round trip: the moment a step ends they run the
+next, each lane's input being the token that rank just sampled for it (StepPlan.ahead; other
+ranks of a tensor-parallel group get rank 0's tokens by broadcast). The scheduler learns those
+tokens from the first step's result, then counts the second step as in flight exactly as
+`schedule()` would have planned it (`promote`).
+
+A lane whose token ahead opens a block takes a free one, as `schedule()` would (never by
+preempting: a short pool plans nothing ahead). A block freed while a step is in flight (its
+sequence finished or was aborted) may be one of them: the workers run steps in order, so the
+step in flight writes what it writes into it before the step ahead's owner writes its own
+slots, and an owner reads no slot it has not written. Table rows are not reused while any
+step is in flight (`hold_rows`), and no sliding window releases a block ahead.
 
 What the scheduler does not know when it plans ahead is whether a lane finishes on the token
 it is sampling (an end-of-sequence or stop id, a stop string, an abort). Such a lane's row of
 the step ahead computes one token nobody reads, into a slot of its own blocks: the row is
-dropped like any row of a sequence finished while its step ran, and nothing else changes in
-between - a step ahead is only planned when nothing waits (no queued, swapped or prefilling
-sequence, no fork or grammar) and needs no block, so no block or table row freed by a
-finished lane is handed out before that step is over: `schedule()` runs only once nothing is
-in flight. Outputs are the same tokens as without overlap; what moves is when they are known.
+dropped like any row of a sequence finished while its step ran. A step ahead is only planned
+when nothing waits (no queued, swapped or prefilling sequence, no fork or grammar).
+Outputs are the same tokens as without overlap; what moves is when they are known.
 """
 from __future__ import annotations
 
@@ -40,16 +45,24 @@ def plan_ahead(sched) -> StepPlan | None:
     if not lanes or len(lanes) != sched.num_running:
         return None  # a live sequence outside the running list (prefilling): plan it
     step_id = b.step_id
+    opening = 0
     for seq in lanes:
         # in the step in flight as a lane, and a lane again with the token it is sampling
-        if seq.last_step != step_id or len(seq.token_ids) + 1 > seq.lane_cap:
+        if seq.last_step != step_id:
             return None
+        if len(seq.token_ids) + 1 > seq.lane_cap:
+            if not _opens_a_block(sched, seq):
+                return None
+            opening += 1
     budget = sched.config.max_num_batched_tokens - len(lanes)
-    if budget < 0:
+    if budget < 0 or opening > sched.kv.num_free_blocks:
         return None
     a = PlanBuilder(sched._next_step_id, budget)
     sched._next_step_id += 1
-    a.lanes = lanes
+    for seq in lanes:
+        if len(seq.token_ids) + 1 > seq.lane_cap:
+            a.add_lane_blocks(_open_block(sched.kv, seq))
+        a.lanes.append(seq)
     a.lane_ids = [seq.seq_id for seq in lanes]
     a.lane_tokens = [-1] * len(lanes)  # the workers' own samples of the step before
     finished, sched._finished_seq_ids = sched._finished_seq_ids, []
@@ -60,6 +73,25 @@ def plan_ahead(sched) -> StepPlan | None:
     return plan
 
 
+def _opens_a_block(sched, seq) -> bool:
+    """Past its lane_cap only because its token ahead is the first of a new block."""
+    n = len(seq.token_ids) + 1
+    return (not sched.sliding_window and not seq.shared_tail and not seq.needs_full_send
+            and seq.lane_cap == seq.num_blocks_sent * sched.block_size == n - 1
+            and seq.num_reserved_tokens == n - 1 == seq.num_tokens_sent
+            and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2)
+
+
+def _open_block(kv, seq) -> list[int]:
+    n = len(seq.token_ids) + 1
+    blocks = kv.reserve_slots(seq.seq_id, n)
+    if not blocks:  # counted free, not shared: the slot bookkeeping is wrong
+        raise RuntimeError(f"seq {seq.seq_id}: no block for its token ahead ({blocks})")
+    seq.num_kv_tokens = seq.num_reserved_tokens = n
+    seq.num_blocks_sent += len(blocks)
+    return blocks
+
+
 def promote(sched) -> None:
     """The step in flight is over and applied: the step planned ahead is the one in flight
     now, each lane still running counted as `_schedule_running` counts a lane it plans."""
@@ -67,13 +99,16 @@ def promote(sched) -> None:
     sched._inflight = a
     step_id, block_size = a.step_id, sched.block_size
     caching = sched.config.enable_prefix_caching
-    for seq in a.lanes:
+    opened = {index for index, _ in a.lane_blocks}
+    for index, seq in enumerate(a.lanes):
         if seq.status is not RUNNING:
             a.num_finished += 1  # finished on the token it sampled: its row is dropped
             continue
         n = len(seq.token_ids)
         seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
         seq.last_step = step_id
+        if index in opened:
+            seq.lane_cap = sched._lane_cap(seq)
         if caching and not n % block_size:
             a.lane_fills.append(seq)
     sched.iteration_tokens = len(a.lanes)

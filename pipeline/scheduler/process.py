@@ -78,7 +78,7 @@ class SchedulerProcess:
         self.inflight_since = 0.0
         # Overlapped scheduling (lookahead.py): the plan sent behind `inflight`, if any.
         self.ahead: messages.StepPlan | None = None
-        self.overlap = cfg.scheduling.async_scheduling and self.tp_size == 1
+        self.overlap = cfg.scheduling.async_scheduling
         self.ahead_schedule_ms = 0.0
         # PAGEDSERVE_STEP_TRACE: where a step planned ahead starts, rank 0's clock when it sent
         # the result before (it had the plan by then); None: when it was sent, as for the others.

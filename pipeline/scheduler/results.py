@@ -73,8 +73,11 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
     deque(map(list.append, map(_TOKEN_IDS, lanes), token_ids), 0)
     if fills is not None:
         for seq in b.lane_fills:  # the slots of the filled block may have been held lazily
-            seq.num_kv_tokens = new = seq.num_computed_tokens
-            fills.append((seq.seq_id, seq.token_ids, new, new))
+            new = seq.num_computed_tokens
+            held = seq.num_kv_tokens  # beyond `new` when a step ahead opened its next block
+            if held < new:
+                held = seq.num_kv_tokens = new
+            fills.append((seq.seq_id, seq.token_ids, held, new))
     tokens = token_ids[:num_lanes]
     if stop_id_union.isdisjoint(tokens):
         out.seqs, out.token_ids = lanes, tokens

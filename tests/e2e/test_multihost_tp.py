@@ -103,6 +103,7 @@ def tp1_outputs(tiny_model):
 def test_tp2_across_two_hosts_equals_tp1_and_binds_only_the_given_addresses(cluster, tp1_outputs):
     hosts, _, client, _ = cluster
     assert greedy(client) == tp1_outputs[GREEDY.max_tokens]
+    assert client.stats()["steps_planned_ahead"] > 0  # overlapped across the two hosts
     for node in (0, 1):   # rendezvous, plans and gloo: on the node's own address only
         listening = hosts.listening(node)
         assert listening and all(a.startswith(hosts.addresses[node] + ":") for a in listening), \

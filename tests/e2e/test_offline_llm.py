@@ -39,6 +39,8 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         assert sum("pagedserve.pipeline.scheduler.process" in r for r in roles) == 1
         assert sum("pagedserve.pipeline.detokenizer.process" in r for r in roles) == 1
         outs = llm.generate(ids, params)
+        # decode steps planned ahead: rank 1 took rank 0's samples by broadcast
+        assert llm.stats()["steps_planned_ahead"] > 0
     for out, exp, prompt in zip(outs, expected, prompts):
         assert out.outputs[0].token_ids == exp, prompt
         assert out.outputs[0].finish_reason == "length"

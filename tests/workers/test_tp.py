@@ -1,4 +1,5 @@
-"""Tensor parallelism: two real rank processes (gloo) give the same greedy tokens as one."""
+"""Tensor parallelism: two real rank processes (gloo) give the same greedy tokens as one, also
+for plans made ahead of the last result (overlapped scheduling)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.pipeline.messages import ScheduledSeq
-from test_worker_core import empty_plan, make_core, run_greedy
+from test_worker_core import empty_plan, make_core, run_ahead, run_greedy
 from pagedserve.workers.testing import hf_greedy, make_tiny_llama
 from pagedserve.workers.tp_launch import RankSpec, TPWorkers
 
@@ -22,6 +23,8 @@ def test_tp2_matches_tp1_on_uneven_head_split(tmp_path):
     with TPWorkers(RankSpec(str(model_dir), num_blocks=64), tp_size=2, timeout_s=120) as workers:
         tp2 = run_greedy(workers.execute, prompts, 10)
         assert tp2 == tp1 == hf_greedy(model_dir, prompts, 10)
+        # plans made ahead (overlapped scheduling): rank 1 decodes rank 0's samples, broadcast
+        assert run_ahead(workers.execute, prompts, 9, first_id=50) == tp1
         with pytest.raises(RuntimeError, match="(?s)tp rank 0 failed.*scheduled sequence 99 is unknown"):
             workers.execute(empty_plan(1, scheduled=[ScheduledSeq(99, 1, [], [])]))
 

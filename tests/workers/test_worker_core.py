@@ -204,28 +204,40 @@ def test_unknown_sequence_is_a_clear_error(tiny_dir):
         core.execute(empty_plan(1, scheduled=[ScheduledSeq(42, 1, [], [])]))
 
 
+def run_ahead(execute, prompts, steps, first_id=0):
+    """A prefill, then `steps` decode plans made ahead (-1 in every decode column), as the
+    scheduler sends them under overlapped scheduling: each lane decodes what rank 0 sampled."""
+    ids = [first_id + i for i in range(len(prompts))]
+    tables, start = [], 10
+    for p in prompts:
+        num_blocks = -(-(len(p) + steps) // BLOCK_SIZE)
+        tables.append(list(range(start, start + num_blocks)))
+        start += num_blocks
+    first = execute(empty_plan(1, new_seqs=[NewSeq(sid, p, [], GREEDY, table, 0)
+                                            for sid, p, table in zip(ids, prompts, tables)],
+                               scheduled=[ScheduledSeq(sid, len(p), [], [])
+                                          for sid, p in zip(ids, prompts)]))
+    outputs = [[t] for t in first.token_ids]
+    for step in range(2, 2 + steps):
+        result = execute(empty_plan(step, decode_seq_ids=ids, decode_token_ids=[-1] * len(ids),
+                                    ahead=True))
+        for out, token in zip(outputs, result.token_ids):
+            out.append(token)
+    execute(empty_plan(2 + steps, finished_seq_ids=ids))
+    return outputs
+
+
 def test_a_plan_made_ahead_decodes_the_tokens_this_rank_sampled(tiny_dir):
     """Overlapped scheduling: a plan sent before the last result was back carries -1s in its
     decode columns; the worker decodes what it sampled, as if the scheduler had sent it."""
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
-    expected = hf_greedy(tiny_dir, prompts, 4)
     core = make_core(tiny_dir)
-    first = core.execute(empty_plan(1, new_seqs=[NewSeq(i, p, [], GREEDY, [10 + i], 0)
-                                                 for i, p in enumerate(prompts)],
-                                    scheduled=[ScheduledSeq(i, len(p), [], [])
-                                               for i, p in enumerate(prompts)]))
-    outputs = [[t] for t in first.token_ids]
-    for step in range(2, 5):
-        result = core.execute(empty_plan(step, decode_seq_ids=[0, 1], decode_token_ids=[-1, -1],
-                                         ahead=True))
-        for out, token in zip(outputs, result.token_ids):
-            out.append(token)
-    assert outputs == expected
+    assert run_ahead(core.execute, prompts, 3) == hf_greedy(tiny_dir, prompts, 4)
     with pytest.raises(ValueError, match="seq 2 sampled nothing yet"):
         core.execute(empty_plan(5, new_seqs=[NewSeq(2, [3, 4], [], GREEDY, [20], 1)],
                                 decode_seq_ids=[2], decode_token_ids=[-1], ahead=True))
     other_rank = make_core(tiny_dir, sampler=False)
-    with pytest.raises(ValueError, match="only the sampling rank knows"):
+    with pytest.raises(ValueError, match="this rank does not sample"):
         other_rank.execute(empty_plan(1, decode_seq_ids=[0], decode_token_ids=[-1], ahead=True))
 
 
