@@ -6,6 +6,8 @@
 #ifndef PAGEDSERVE_GGUF_DIRECT_H
 #define PAGEDSERVE_GGUF_DIRECT_H
 
+#include "prefetch.h"
+
 #ifdef __AVX2__
 /* Few rows of x (decode): the 32-element types' blocks unpacked in registers, straight from the
  * weight's bytes, with the same integer sums and fp32 terms as dot_panel_32 (no store of the
@@ -55,6 +57,7 @@ static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, c
         __m256i v[PANEL];                                                                       \
         float d[PANEL], dm[PANEL];                                                              \
         for (int r = 0; r < PANEL; r++) {                                                       \
+            if (!(b & 1)) prefetch_bytes(rows[r] + PANEL * stride + BYTES * b, 2 * BYTES);         \
             const __m256i u = direct_bytes(QTYPE, rows[r] + BYTES * b, &d[r], &dm[r]);          \
             v[r] = QTYPE == T_Q8_0 ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))      \
                                    : DOT_U8S8(u, a);                                            \
@@ -104,6 +107,7 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 144 * b;
+            prefetch_bytes(blk + PANEL * stride, 144);  /* the next panel's */
             d[r] = load_half(blk);
             dm[r] = load_half(blk + 2);
             direct_k_scales(blk + 4, sc[r], &mins[r]);
@@ -152,6 +156,7 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 210 * b;
+            prefetch_bytes(blk + PANEL * stride, 210);  /* the next panel's */
             d[r] = load_half(blk + 208);
             dm[r] = 32.0f * d[r];
             scales[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));

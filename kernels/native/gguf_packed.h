@@ -17,6 +17,8 @@
 #ifndef PAGEDSERVE_GGUF_PACKED_H
 #define PAGEDSERVE_GGUF_PACKED_H
 
+#include "prefetch.h"
+
 #define PACKED_COLS 16
 
 static inline int packed_type(int qtype) {
@@ -171,6 +173,7 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
         const uint8_t *blk = panel + b * bytes;                                                  \
+        prefetch_bytes(blk + 4 * bytes, bytes);                   /* 4 blocks on */              \
         __m512i i1[ROWS];                                                                        \
         for (int r = 0; r < ROWS; r++) i1[r] = _mm512_setzero_si512();                           \
         for (int q = 0; q < 8; q++) {                                                            \

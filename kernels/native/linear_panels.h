@@ -12,6 +12,7 @@
 #ifndef LINEAR_PANELS_H
 #define LINEAR_PANELS_H
 
+#include "prefetch.h"
 #include "vec8.h"
 
 #define PANEL 16
@@ -33,6 +34,7 @@ static inline void NAME##_rows_##ROWS(const float *x, int64_t ldx, const WTYPE *
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = (v8){0};                              \
     for (int64_t k = 0; k < K; k++) {                                                            \
         v8 w0, w1;                                                                               \
+        if (!(k & 3)) prefetch_bytes(panel + (k + 64) * PANEL, 4 * PANEL * sizeof(WTYPE));      \
         LOAD(panel, k, w0, w1);                                                                  \
         for (int r = 0; r < ROWS; r++) {                                                         \
             const float xv = x[r * ldx + k];                                                     \

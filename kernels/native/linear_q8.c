@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "paged_attention.h"
+#include "prefetch.h"
 #include "thread_buffer.h"
 
 #ifdef __AVX2__
@@ -135,6 +136,7 @@ static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32
         __m256i isum[ROWS][2];                                                                   \
         for (int r = 0; r < ROWS; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();         \
         const uint8_t *pb = panel + b * QB * QPANEL;                                                \
+        prefetch_bytes(pb + 4 * QB * QPANEL, QB * QPANEL);           /* 4 blocks on */          \
         /* unrolled fully, GCC computes all 8 groups' products first and spills them */       \
         _Pragma("GCC unroll 2")                                                                  \
         for (int g = 0; g < QB / 4; g++) {                                                       \
