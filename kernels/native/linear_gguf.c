@@ -311,6 +311,8 @@ static void wide_task(void *ctx, int64_t task) {
         const int64_t n0 = panel_index * WIDE;
         const int live = job->n - n0 < WIDE ? (int)(job->n - n0) : WIDE;
         wide_unpack(job->info, job->w + n0 * job->w_stride, job->w_stride, live, job->k, &p);
+        if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
+            prefetch_bytes(job->w + (n0 + WIDE) * job->w_stride, WIDE * job->w_stride);
         wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
                             job->ldy, n0, live);
     }
@@ -331,7 +333,7 @@ static void linear_task(void *ctx, int64_t task) {
     int64_t last = first + job->panels_per_task;
     if (last > job->num_panels) last = job->num_panels;
     float out[PANEL];
-    const direct_fn direct = job->m <= DIRECT_MAX_ROWS ? direct_for(job->qtype) : NULL;
+    const direct_fn direct = job->m <= direct_max_rows(job->qtype) ? direct_for(job->qtype) : NULL;
     for (int64_t p = first; p < last; p++) {
         const int64_t n0 = p * PANEL;
         const int live = job->n - n0 < PANEL ? (int)(job->n - n0) : PANEL;
@@ -396,7 +398,7 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
     int64_t cols = PANEL;
     task_fn run = linear_task;
 #ifdef __AVX2__
-    if (m >= WIDE_MIN_ROWS) {
+    if (m >= WIDE_MIN_ROWS && (m > direct_max_rows(qtype) || direct_for(qtype) == NULL)) {
         cols = WIDE;
         run = wide_task;
     }

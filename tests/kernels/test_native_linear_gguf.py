@@ -71,7 +71,8 @@ def test_each_type_is_the_torch_implementation_of_its_arithmetic_bit_for_bit(qty
     # k: 17 blocks of 32 (the wide panels' 16-quad transposes leave a tail) or 3 of 256
     k = 768 if gl.activation_block(qtype) == 256 else 544
     w = random_weight(qtype, 21, k, rng, extreme=False)
-    for m in (1, 2, 7, 13):     # decode rows take the in-register path for most types
+    for m in (1, 2, 4, 5, 7, 13):   # decode rows take the in-register path for most types
+        # (up to 3, Q6_K up to 5), more rows the wide panels
         x = activations(m, k, rng)
         assert torch.equal(gl.linear(x, w), gl.linear_exact_ref(x, w)), m
 
