@@ -48,7 +48,7 @@ static inline __m256i direct_bytes(int qtype, const uint8_t *blk, float *d, floa
 
 #define DEFINE_DIRECT(NAME, QTYPE, BYTES)                                                       \
 static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, const float *xd, \
-                 const int16_t *xs, int64_t K, float out[PANEL]) {                              \
+                 const int16_t *xs, int64_t K, float out[PANEL], int ahead) {                   \
     const uint8_t *rows[PANEL];                                                                 \
     for (int r = 0; r < PANEL; r++) rows[r] = w + (r < live ? r : live - 1) * stride;           \
     __m128 acc = _mm_setzero_ps();                                                              \
@@ -57,7 +57,8 @@ static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, c
         __m256i v[PANEL];                                                                       \
         float d[PANEL], dm[PANEL];                                                              \
         for (int r = 0; r < PANEL; r++) {                                                       \
-            if (!(b & 1)) prefetch_bytes(rows[r] + PANEL * stride + BYTES * b, 2 * BYTES);         \
+            if (ahead && !(b & 1))                                                              \
+                prefetch_bytes(rows[r] + PANEL * stride + BYTES * b, 2 * BYTES);                \
             const __m256i u = direct_bytes(QTYPE, rows[r] + BYTES * b, &d[r], &dm[r]);          \
             v[r] = QTYPE == T_Q8_0 ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))      \
                                    : DOT_U8S8(u, a);                                            \
@@ -96,7 +97,8 @@ static inline void direct_k_scales(const uint8_t *s, int16_t sc[8], __m256i *min
 }
 
 static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t *xq,
-                        const float *xd, const int16_t *xs, int64_t K, float out[PANEL]) {
+                        const float *xd, const int16_t *xs, int64_t K, float out[PANEL],
+                        int ahead) {
     const uint8_t *rows[PANEL];
     for (int r = 0; r < PANEL; r++) rows[r] = w + (r < live ? r : live - 1) * stride;
     __m128 acc = _mm_setzero_ps();
@@ -107,7 +109,7 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 144 * b;
-            prefetch_bytes(blk + PANEL * stride, 144);  /* the next panel's */
+            if (ahead) prefetch_bytes(blk + PANEL * stride, 144);  /* the next panel's */
             d[r] = load_half(blk);
             dm[r] = load_half(blk + 2);
             direct_k_scales(blk + 4, sc[r], &mins[r]);
@@ -140,7 +142,8 @@ static inline __m256i q6_k_bits(__m256i q, int shift_q, __m256i hb, int shift_h)
 }
 
 static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t *xq,
-                        const float *xd, const int16_t *xs, int64_t K, float out[PANEL]) {
+                        const float *xd, const int16_t *xs, int64_t K, float out[PANEL],
+                        int ahead) {
     const uint8_t *rows[PANEL];
     for (int r = 0; r < PANEL; r++) rows[r] = w + (r < live ? r : live - 1) * stride;
     __m128 acc = _mm_setzero_ps();
@@ -156,7 +159,7 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 210 * b;
-            prefetch_bytes(blk + PANEL * stride, 210);  /* the next panel's */
+            if (ahead) prefetch_bytes(blk + PANEL * stride, 210);  /* the next panel's */
             d[r] = load_half(blk + 208);
             dm[r] = 32.0f * d[r];
             scales[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
@@ -186,8 +189,9 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
     _mm_storeu_ps(out, acc);
 }
 
+/* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
 typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
-                          const int16_t *, int64_t, float *);
+                          const int16_t *, int64_t, float *, int);
 
 static direct_fn direct_for(int qtype) {
     switch (qtype) {
@@ -206,8 +210,9 @@ static direct_fn direct_for(int qtype) {
  * 4.2) */
 static inline int direct_max_rows(int qtype) { return qtype == T_Q6_K ? 5 : 3; }
 #else
+/* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
 typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
-                          const int16_t *, int64_t, float *);
+                          const int16_t *, int64_t, float *, int);
 static direct_fn direct_for(int qtype) { (void)qtype; return NULL; }
 static inline int direct_max_rows(int qtype) { (void)qtype; return 0; }
 #endif

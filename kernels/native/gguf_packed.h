@@ -166,14 +166,14 @@ static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
 
 #define DEFINE_PACKED_ROWS(NAME, QTYPE, ROWS)                                                    \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS]) {                       \
+                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
     const qtype_info *info = qtype_lookup(QTYPE);                                                \
     const int64_t blocks = K / 32, bytes = packed_block_bytes(QTYPE);                            \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
         const uint8_t *blk = panel + b * bytes;                                                  \
-        prefetch_bytes(blk + 4 * bytes, bytes);                   /* 4 blocks on */              \
+        if (ahead) prefetch_bytes(blk + 4 * bytes, bytes);        /* 4 blocks on */              \
         __m512i i1[ROWS];                                                                        \
         for (int r = 0; r < ROWS; r++) i1[r] = _mm512_setzero_si512();                           \
         for (int q = 0; q < 8; q++) {                                                            \
@@ -198,8 +198,9 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out[r], acc[r]);                             \
 }
 
+/* ahead: prefetch the weights (the first pass of rows over a panel; the others find them cached) */
 typedef void (*packed_rows_fn)(const uint8_t *, int64_t, const int8_t *, const float *,
-                               const int16_t *, float[PACKED_ROWS][PACKED_COLS]);
+                               const int16_t *, float[PACKED_ROWS][PACKED_COLS], int);
 
 #define DEFINE_PACKED_TYPE(T, QTYPE)                                                             \
     DEFINE_PACKED_ROWS(packed_##T##_1, QTYPE, 1)                                                 \
@@ -252,7 +253,7 @@ static void packed_task(void *ctx, int64_t task) {
         for (int64_t t = 0; t < job->m; t += PACKED_ROWS) {
             const int64_t rows = job->m - t < PACKED_ROWS ? job->m - t : PACKED_ROWS;
             rows_fn[rows - 1](job->w + p * job->w_stride, K, job->xq + t * K,
-                              job->xd + t * blocks, job->xs + t * (K / 16), out);
+                              job->xd + t * blocks, job->xs + t * (K / 16), out, t == 0);
             for (int64_t r = 0; r < rows; r++)
                 memcpy(job->y + (t + r) * job->ldy + n0, out[r], sizeof(float) * (size_t)live);
         }

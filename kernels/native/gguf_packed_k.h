@@ -62,7 +62,7 @@ static inline __m512i packed_k_quad(const uint8_t *blk, int q) {
 
 #define DEFINE_PACKED_K_ROWS(NAME, ROWS)                                                         \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS]) {                       \
+                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
     const int64_t blocks = K / 256, bytes = packed_block_bytes(T_Q4_K);                          \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
@@ -72,7 +72,7 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         for (int r = 0; r < ROWS; r++) i1[r] = i2[r] = _mm512_setzero_si512();                   \
         for (int g = 0; g < 16; g++) {                                                           \
             __m512i sc, mc;                                                                      \
-            prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64); /* 2 blocks on */ \
+            if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64);        \
             packed_k_group(blk, g, &sc, &mc);                                                    \
             for (int q = 4 * g; q < 4 * g + 4; q++) {                                            \
                 const __m512i wv = packed_k_quad(blk, q);                                        \

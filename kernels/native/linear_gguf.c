@@ -340,7 +340,7 @@ static void linear_task(void *ctx, int64_t task) {
         if (direct != NULL) {
             for (int64_t t = 0; t < job->m; t++) {
                 direct(job->w + n0 * job->w_stride, job->w_stride, live, job->xq + t * K,
-                       job->xd + t * (K / info->block), job->xs + t * (K / 16), K, out);
+                       job->xd + t * (K / info->block), job->xs + t * (K / 16), K, out, t == 0);
                 memcpy(job->y + t * job->ldy + n0, out, sizeof(float) * (size_t)live);
             }
             continue;

@@ -29,12 +29,13 @@ typedef struct {
  * accumulators stay in registers. LOAD(panel, k, w0, w1) sets the two weight vectors of step k. */
 #define DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, ROWS)                                               \
 static inline void NAME##_rows_##ROWS(const float *x, int64_t ldx, const WTYPE *panel,          \
-                                      int64_t K, float out[MAX_ROWS][PANEL]) {                   \
+                                      int64_t K, float out[MAX_ROWS][PANEL], int ahead) {        \
     v8 acc[ROWS][2];                                                                             \
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = (v8){0};                              \
     for (int64_t k = 0; k < K; k++) {                                                            \
         v8 w0, w1;                                                                               \
-        if (!(k & 3)) prefetch_bytes(panel + (k + 64) * PANEL, 4 * PANEL * sizeof(WTYPE));      \
+        if (ahead && !(k & 3))                                                                   \
+            prefetch_bytes(panel + (k + 64) * PANEL, 4 * PANEL * sizeof(WTYPE));                 \
         LOAD(panel, k, w0, w1);                                                                  \
         for (int r = 0; r < ROWS; r++) {                                                         \
             const float xv = x[r * ldx + k];                                                     \
@@ -71,12 +72,12 @@ static void NAME##_task(void *ctx, int64_t task) {                              
             const int64_t rows = job->m - m0 < MAX_ROWS ? job->m - m0 : MAX_ROWS;                \
             const float *x = job->x + m0 * job->ldx;                                             \
             switch (rows) {                                                                      \
-                case 1: NAME##_rows_1(x, job->ldx, panel, job->k, out); break;                   \
-                case 2: NAME##_rows_2(x, job->ldx, panel, job->k, out); break;                   \
-                case 3: NAME##_rows_3(x, job->ldx, panel, job->k, out); break;                   \
-                case 4: NAME##_rows_4(x, job->ldx, panel, job->k, out); break;                   \
-                case 5: NAME##_rows_5(x, job->ldx, panel, job->k, out); break;                   \
-                default: NAME##_rows_6(x, job->ldx, panel, job->k, out); break;                  \
+                case 1: NAME##_rows_1(x, job->ldx, panel, job->k, out, !m0); break;              \
+                case 2: NAME##_rows_2(x, job->ldx, panel, job->k, out, !m0); break;              \
+                case 3: NAME##_rows_3(x, job->ldx, panel, job->k, out, !m0); break;              \
+                case 4: NAME##_rows_4(x, job->ldx, panel, job->k, out, !m0); break;              \
+                case 5: NAME##_rows_5(x, job->ldx, panel, job->k, out, !m0); break;              \
+                default: NAME##_rows_6(x, job->ldx, panel, job->k, out, !m0); break;             \
             }                                                                                    \
             for (int64_t r = 0; r < rows; r++)                                                   \
                 STORE((YTYPE *)job->y + (m0 + r) * job->ldy + n0, out[r], cols);                 \

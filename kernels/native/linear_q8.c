@@ -127,7 +127,7 @@ static void quantize_task(void *ctx, int64_t task) {
 #define DEFINE_Q8_ROWS(ROWS)                                                                     \
 static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32_t *xc,      \
                                   int64_t K, const uint8_t *panel, const float *pscale,          \
-                                  float out[QROWS][QPANEL]) {                                    \
+                                  float out[QROWS][QPANEL], int ahead) {                         \
     const int64_t blocks = K / QB;                                                               \
     const __m256i ones = _mm256_set1_epi16(1);                                                   \
     __m256 acc[ROWS][2];                                                                         \
@@ -136,7 +136,7 @@ static inline void q8_rows_##ROWS(const int8_t *xq, const float *xs, const int32
         __m256i isum[ROWS][2];                                                                   \
         for (int r = 0; r < ROWS; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();         \
         const uint8_t *pb = panel + b * QB * QPANEL;                                                \
-        prefetch_bytes(pb + 4 * QB * QPANEL, QB * QPANEL);           /* 4 blocks on */          \
+        if (ahead) prefetch_bytes(pb + 4 * QB * QPANEL, QB * QPANEL);  /* 4 blocks on */        \
         /* unrolled fully, GCC computes all 8 groups' products first and spills them */       \
         _Pragma("GCC unroll 2")                                                                  \
         for (int g = 0; g < QB / 4; g++) {                                                       \
@@ -174,17 +174,18 @@ DEFINE_Q8_ROWS(3)
 
 static void q8_panel_rows(const int8_t *xq, const float *xs, const int32_t *xc, int64_t rows,
                           int64_t K, const uint8_t *panel, const float *pscale,
-                          float out[QROWS][QPANEL]) {
+                          float out[QROWS][QPANEL], int ahead) {
     switch (rows) {
-        case 1: q8_rows_1(xq, xs, xc, K, panel, pscale, out); break;
-        case 2: q8_rows_2(xq, xs, xc, K, panel, pscale, out); break;
-        default: q8_rows_3(xq, xs, xc, K, panel, pscale, out); break;
+        case 1: q8_rows_1(xq, xs, xc, K, panel, pscale, out, ahead); break;
+        case 2: q8_rows_2(xq, xs, xc, K, panel, pscale, out, ahead); break;
+        default: q8_rows_3(xq, xs, xc, K, panel, pscale, out, ahead); break;
     }
 }
 #else
 static void q8_panel_rows(const int8_t *xq, const float *xs, const int32_t *xc, int64_t rows,
                           int64_t K, const uint8_t *panel, const float *pscale,
-                          float out[QROWS][QPANEL]) {
+                          float out[QROWS][QPANEL], int ahead) {
+    (void)ahead;
     const int64_t blocks = K / QB;
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < QPANEL; c++) {
@@ -217,7 +218,7 @@ static void q8_task(void *ctx, int64_t task) {
         for (int64_t m0 = 0; m0 < job->m; m0 += QROWS) {
             const int64_t rows = job->m - m0 < QROWS ? job->m - m0 : QROWS;
             q8_panel_rows(job->xq + m0 * K, job->xs + m0 * blocks, job->xc + m0 * blocks, rows, K,
-                          panel, pscale, out);
+                          panel, pscale, out, m0 == 0);
             for (int64_t r = 0; r < rows; r++)
                 memcpy(job->y + (m0 + r) * job->ldy + n0, out[r], sizeof(float) * cols);
         }
