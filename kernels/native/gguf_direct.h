@@ -83,17 +83,25 @@ static inline __m128i direct_i2(const __m256i m[PANEL], const int16_t *xs) {
                  _mm256_madd_epi16(m[2], s), _mm256_madd_epi16(m[3], s));
 }
 
-/* Q4_K's 8 6-bit scales and mins of a super-block (kquant_scales' values), the mins as 16 int16
+/* Q4_K's 8 6-bit scales and mins of a super-block (kquant_scales' values) from its 12 bytes, four
+ * at a time in 32-bit words: the scales as int16 0..7 in each 128-bit lane, the mins as 16 int16
  * (each twice: one per group of 16) */
-static inline void direct_k_scales(const uint8_t *s, int16_t sc[8], __m256i *mins) {
-    int16_t m[16];
-    for (int j = 0; j < 8; j++) {
-        const int lo = j < 4;
-        sc[j] = (int16_t)(lo ? s[j] & 63 : (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
-        m[2 * j] = m[2 * j + 1] =
-            (int16_t)(lo ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-    *mins = _mm256_loadu_si256((const __m256i *)m);
+static inline void direct_k_scales(const uint8_t *s, __m256i *scales, __m256i *mins) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint64_t sc = (uint64_t)(u[0] & six)
+                        | (uint64_t)((u[2] & four) | ((u[0] >> 6) & two) << 4) << 32;
+    const uint64_t mn = (uint64_t)(u[1] & six)
+                        | (uint64_t)(((u[2] >> 4) & four) | ((u[1] >> 6) & two) << 4) << 32;
+    *scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
+    const __m128i m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)mn));
+    *mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+}
+
+/* pick[j]: the shuffle that broadcasts int16 j of a 128-bit lane (j < 8) */
+static inline __m256i int16_pick(int j) {
+    return _mm256_set1_epi16((short)((2 * j) | (2 * j + 1) << 8));
 }
 
 static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t *xq,
@@ -103,16 +111,17 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
     for (int r = 0; r < PANEL; r++) rows[r] = w + (r < live ? r : live - 1) * stride;
     __m128 acc = _mm_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i pick[8];
+    for (int j = 0; j < 8; j++) pick[j] = int16_pick(j);
     for (int64_t b = 0; b < K / 256; b++) {
-        __m256i v[PANEL], mins[PANEL];
-        int16_t sc[PANEL][8];
+        __m256i v[PANEL], mins[PANEL], sc[PANEL];
         float d[PANEL], dm[PANEL];
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *blk = rows[r] + 144 * b;
             if (ahead) prefetch_bytes(blk + PANEL * stride, 144);  /* the next panel's */
             d[r] = load_half(blk);
             dm[r] = load_half(blk + 2);
-            direct_k_scales(blk + 4, sc[r], &mins[r]);
+            direct_k_scales(blk + 4, &sc[r], &mins[r]);
             v[r] = _mm256_setzero_si256();
         }
         for (int i = 0; i < 4; i++) {
@@ -123,9 +132,9 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
                 const __m256i lo = _mm256_and_si256(q, low4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
                 v[r] = _mm256_add_epi32(v[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a_lo),
-                                                                _mm256_set1_epi16(sc[r][2 * i])));
+                    _mm256_shuffle_epi8(sc[r], pick[2 * i])));
                 v[r] = _mm256_add_epi32(v[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a_hi),
-                                                                _mm256_set1_epi16(sc[r][2 * i + 1])));
+                    _mm256_shuffle_epi8(sc[r], pick[2 * i + 1])));
             }
         }
         acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
