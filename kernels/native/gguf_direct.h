@@ -215,9 +215,16 @@ static direct_fn direct_for(int qtype) {
     }
 }
 /* Rows of x up to which unpacking in registers beats the wide panels' unpacking once (2 threads,
- * weights from memory: Q6_K at 4 rows 3.3-3.6 ms against 4.3, at 6 even; Q4_K at 4 7.4 against
- * 4.2) */
-static inline int direct_max_rows(int qtype) { return qtype == T_Q6_K ? 5 : 3; }
+ * 37984x1536, weights from memory). With AVX-512's wide panels: Q6_K at 4 rows 3.3-3.6 ms against
+ * 4.3, even at 6; Q4_K at 4 4.4 against 4.2. The AVX2 panels are slower: at 6 rows Q4_K 6.5-7.3
+ * against 10.0, Q6_K 6.8-7.3 against 12.2, about even at 8. */
+static inline int direct_max_rows(int qtype) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return qtype == T_Q6_K ? 5 : 3;
+#else
+    return qtype == T_Q6_K || qtype == T_Q4_K ? 6 : 3;
+#endif
+}
 #else
 /* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
 typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
