@@ -413,88 +413,9 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
     return job.failed ? -2 : 0;
 }
 
-/* ---- weights repacked into panels of 16 rows (gguf_packed.h) ---------------------------- */
+/* ---- weights repacked into panels of 16 rows, and their entry points (gguf_packed.h) ----- */
 
 #include "gguf_packed.h"
-
-/* 1 where gguf_packed_linear runs (this build has its AVX-512 body), else 0 */
-int gguf_packed_supported(void) { return PACKED_SUPPORTED; }
-
-/* Bytes gguf_pack writes for n x k of `qtype`; -1 for bad sizes or a type that is not packed */
-int64_t gguf_packed_bytes(int qtype, int64_t n, int64_t k) {
-    const qtype_info *info = qtype_lookup(qtype);
-    if (info == NULL || !packed_type(qtype) || n < 1 || k < info->block || k % info->block)
-        return -1;
-    return (n + PACKED_COLS - 1) / PACKED_COLS * (k / info->block) * packed_block_bytes(qtype);
-}
-
-/* The raw weight (n rows of `qtype` blocks, row r at w + r * w_stride) repacked into out:
- * gguf_packed_bytes(qtype, n, k) bytes. Returns 0; -1 on bad sizes; -2 without
- * memory; -3 for a type that is not packed. */
-int gguf_pack(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_stride, uint8_t *out) {
-    const qtype_info *info = qtype_lookup(qtype);
-    if (info == NULL || !packed_type(qtype)) return -3;
-    if (check_sizes(info, n, k, w_stride)) return -1;
-    uint8_t *u = malloc((size_t)k);
-    int16_t *sc = malloc(sizeof(int16_t) * (size_t)(k / 2 + k / 16));
-    float *d = malloc(sizeof(float) * 2 * (size_t)(k / 32));
-    if (u == NULL || sc == NULL || d == NULL) {
-        free(u);
-        free(sc);
-        free(d);
-        return -2;
-    }
-    unpacked_row row = {u, sc, sc + k / 2, d, d + k / info->block};
-    const int64_t panel_bytes = k / info->block * packed_block_bytes(qtype);
-    for (int64_t p = 0; p < (n + PACKED_COLS - 1) / PACKED_COLS; p++)
-        pack_panel(info, qtype, w, w_stride, n, k, p, out + p * panel_bytes, &row);
-    free(u);
-    free(sc);
-    free(d);
-    return 0;
-}
-
-/* Rows idx[0..count) of a packed weight as raw rows of `qtype` blocks (row i at
- * out + i * out_stride); every row when idx is NULL (count = n): gguf_pack's inverse.
- * Returns 0; -1 on bad sizes or an index out of range; -3 for a type that is not packed. */
-int gguf_unpack_packed(int qtype, const uint8_t *packed, int64_t n, int64_t k,
-                       const int64_t *idx, int64_t count, uint8_t *out, int64_t out_stride) {
-    const qtype_info *info = qtype_lookup(qtype);
-    if (info == NULL || !packed_type(qtype)) return -3;
-    if (check_sizes(info, n, k, out_stride)) return -1;
-    const int64_t panel_bytes = k / info->block * packed_block_bytes(qtype);
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t r = idx == NULL ? i : idx[i];
-        if (r < 0 || r >= n) return -1;
-        unpack_packed_column(info, qtype, packed + r / PACKED_COLS * panel_bytes, k,
-                             (int)(r % PACKED_COLS), out + i * out_stride);
-    }
-    return 0;
-}
-
-/* y = x W^T for a weight packed by gguf_pack, as gguf_linear computes it (the same bits).
- * Returns 0; -1 on bad sizes; -2 without memory; -3 where this build does not run it. */
-int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, const float *x,
-                       int64_t m, int64_t ldx, float *y, int64_t ldy, int num_threads) {
-    const qtype_info *info = qtype_lookup(qtype);
-    if (info == NULL || !packed_type(qtype) || !PACKED_SUPPORTED) return -3;
-    if (n < 1 || k < info->block || k % info->block != 0 || m < 1 || ldx < k || ldy < n)
-        return -1;
-#if PACKED_SUPPORTED
-    const int threads = num_threads < 1 ? 1 : num_threads;
-    int8_t *xq;
-    float *xd;
-    int16_t *xs;
-    if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
-    linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
-                      xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0};
-    job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
-    if (job.panels_per_task < 1) job.panels_per_task = 1;
-    pa_run_tasks(threads, packed_task, &job,
-                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
-#endif
-    return 0;
-}
 
 /* The activation quantization alone (tests hold it to the torch reference bit for bit):
  * xq [m][k], xd [m][k / block], xs [m][k / 16]. Returns 0, or -1 on bad sizes. */
