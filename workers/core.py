@@ -224,7 +224,7 @@ class WorkerCore:
             logits = apply_grammar_masks(logits, seq_ids, plan.grammar)
         states = [self.seqs[s] for s in seq_ids]
         out = self.sampler(logits, [s.sampling for s in states], [s.token_ids for s in states],
-                           [s.num_prompt_tokens for s in states], overwrite=True)
+                           [s.num_prompt_tokens for s in states])
         return StepResult(step_id, seq_ids, out.token_ids, out.logprobs, out.top_logprobs)
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],

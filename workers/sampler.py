@@ -40,11 +40,7 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 token_ids: list[list[int]], num_prompt_tokens: list[int], *,
-                 overwrite: bool = False) -> SamplerOutput:
-        """`overwrite`: the caller no longer needs `logits`, so penalties and biases may be
-        applied to it in place where no row asks for logprobs (a [64, 152K] copy takes ~15 ms
-        to fault in); otherwise it is left untouched."""
+                 token_ids: list[list[int]], num_prompt_tokens: list[int]) -> SamplerOutput:
         num_rows = logits.shape[0]
         if not (len(params) == len(token_ids) == len(num_prompt_tokens) == num_rows):
             raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params, "
@@ -52,9 +48,7 @@ class Sampler:
         # the scheduler's admission fills unset fields; params built by hand may leave them
         params = [p.with_defaults() for p in params]
         raw_logits = logits.float()
-        in_place = ((overwrite or raw_logits is not logits) and raw_logits.is_contiguous()
-                    and all(p.logprobs is None for p in params))
-        logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens, in_place)
+        logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < num_rows:
@@ -73,14 +67,13 @@ class Sampler:
         return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def _penalised(self, logits: torch.Tensor, params: list[SamplingParams],
-                   token_ids: list[list[int]], num_prompt_tokens: list[int],
-                   in_place: bool) -> torch.Tensor:
-        """Penalties, then logit biases; `logits` itself is changed only `in_place`."""
-        out = self._with_penalties(logits, params, token_ids, num_prompt_tokens, in_place)
+                   token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
+        """Penalties, then logit biases; the caller's `logits` are never changed."""
+        out = self._with_penalties(logits, params, token_ids, num_prompt_tokens)
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if not biased:
             return out
-        if out is logits and not in_place:  # no penalty made a copy yet
+        if out is logits:  # no penalty made a copy yet
             out = logits.clone(memory_format=torch.contiguous_format)
         vocab = out.shape[1]
         slots = [row * vocab + token for row in biased for token in params[row].logit_bias]
@@ -90,17 +83,15 @@ class Sampler:
         return out
 
     def _with_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
-                        token_ids: list[list[int]], num_prompt_tokens: list[int],
-                        in_place: bool) -> torch.Tensor:
+                        token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not rows:
             return logits
         slots, output_counts = token_occurrences(
             [token_ids[i] for i in rows], [num_prompt_tokens[i] for i in rows],
             logits.shape[1], rows, logits.device)
-        target = logits if in_place else logits.clone(memory_format=torch.contiguous_format)
         return apply_penalties(
-            target, slots, output_counts,
+            logits.clone(memory_format=torch.contiguous_format), slots, output_counts,
             presence=_row_tensor([p.presence_penalty for p in params], logits.device),
             frequency=_row_tensor([p.frequency_penalty for p in params], logits.device),
             repetition=_row_tensor([p.repetition_penalty for p in params], logits.device))

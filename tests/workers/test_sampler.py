@@ -306,24 +306,3 @@ def test_logit_bias_is_validated():
         SP(logit_bias={1: 101.0}).validate()
     with pytest.raises(ValueError, match="stop_token_ids contains -1, which is not a token id"):
         SP(stop_token_ids=[-1]).validate()
-
-
-def test_a_caller_that_gives_up_its_logits_gets_them_penalised_in_place():
-    """overwrite=True (the worker's own step logits): penalties and biases skip the full copy,
-    with the same tokens; a row asking for logprobs keeps the raw logits untouched."""
-    from pagedserve.pipeline.sampling_params import SamplingParams as SP
-    from pagedserve.workers.sampler import Sampler
-
-    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    history = [[1, 2, 3, 5], [7, 7, 8], [9], [10, 11]]
-    params = [SP(temperature=0, repetition_penalty=1.5), SP(temperature=0, presence_penalty=2.0),
-              SP(temperature=0.8, seed=4, frequency_penalty=0.5), SP(temperature=0,
-                                                                   logit_bias={3: 4.0})]
-    want = Sampler(seed=0)(logits.clone(), params, history, [1, 1, 1, 1]).token_ids
-    given = logits.clone()
-    assert Sampler(seed=0)(given, params, history, [1, 1, 1, 1], overwrite=True).token_ids == want
-    assert not torch.equal(given, logits)   # penalised where it lay: no copy was made
-    with_logprobs = [*params[:3], SP(temperature=0, logit_bias={3: 4.0}, logprobs=1)]
-    kept = logits.clone()
-    Sampler(seed=0)(kept, with_logprobs, history, [1, 1, 1, 1], overwrite=True)
-    assert torch.equal(kept, logits)        # logprobs are the raw logits': left as they were
