@@ -45,24 +45,23 @@ def plan_ahead(sched) -> StepPlan | None:
     if not lanes or len(lanes) != sched.num_running:
         return None  # a live sequence outside the running list (prefilling): plan it
     step_id = b.step_id
-    opening = 0
-    for seq in lanes:
+    opening = []  # the lanes whose token ahead opens a block, by index
+    for index, seq in enumerate(lanes):
         # in the step in flight as a lane, and a lane again with the token it is sampling
         if seq.last_step != step_id:
             return None
         if len(seq.token_ids) + 1 > seq.lane_cap:
             if not _opens_a_block(sched, seq):
                 return None
-            opening += 1
+            opening.append(index)
     budget = sched.config.max_num_batched_tokens - len(lanes)
-    if budget < 0 or opening > sched.kv.num_free_blocks:
+    if budget < 0 or len(opening) > sched.kv.num_free_blocks:
         return None
     a = PlanBuilder(sched._next_step_id, budget)
     sched._next_step_id += 1
-    for seq in lanes:
-        if len(seq.token_ids) + 1 > seq.lane_cap:
-            a.add_lane_blocks(_open_block(sched.kv, seq))
-        a.lanes.append(seq)
+    a.lanes = lanes
+    for index in opening:
+        a.lane_blocks.extend((index, block) for block in _open_block(sched.kv, lanes[index]))
     a.lane_ids = [seq.seq_id for seq in lanes]
     a.lane_tokens = [-1] * len(lanes)  # the workers' own samples of the step before
     finished, sched._finished_seq_ids = sched._finished_seq_ids, []
