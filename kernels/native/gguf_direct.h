@@ -8,6 +8,10 @@
 
 #include "prefetch.h"
 
+/* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
+typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
+                          const int16_t *, int64_t, float *, int);
+
 #ifdef __AVX2__
 /* Few rows of x (decode): the 32-element types' blocks unpacked in registers, straight from the
  * weight's bytes, with the same integer sums and fp32 terms as dot_panel_32 (no store of the
@@ -198,9 +202,6 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
     _mm_storeu_ps(out, acc);
 }
 
-/* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
-typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
-                          const int16_t *, int64_t, float *, int);
 
 static direct_fn direct_for(int qtype) {
     switch (qtype) {
@@ -226,9 +227,6 @@ static inline int direct_max_rows(int qtype) {
 #endif
 }
 #else
-/* ahead: prefetch the next panel's weights (the first row of x; the others find them cached) */
-typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
-                          const int16_t *, int64_t, float *, int);
 static direct_fn direct_for(int qtype) { (void)qtype; return NULL; }
 static inline int direct_max_rows(int qtype) { (void)qtype; return 0; }
 #endif
