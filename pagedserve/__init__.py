@@ -31,6 +31,19 @@ if _in_source_tree():
     __path__.append(str(_Path(__file__).resolve().parents[1]))
 
 
+def _drop_checkout_root(path: list[str]) -> None:
+    """Remove the repository root from the import path, where `python -m` from a checkout put it:
+    its folders `kernels/`, `pipeline/` and `workers/` would shadow installed packages of those
+    names (Hugging Face's `kernels`, which transformers imports). Every project process starts
+    with `PYTHONSAFEPATH=1`; this only covers a hand-started `python -m pagedserve...`."""
+    root = _Path(__file__).resolve().parents[1]
+    if _in_source_tree():
+        path[:] = [entry for entry in path if _Path(entry or ".").resolve() != root]
+
+
+_drop_checkout_root(__import__("sys").path)
+
+
 def __getattr__(name: str):
     # Lazy, so that `import pagedserve.kernels` in a worker does not load the client stack.
     if name in __all__ and name != "__version__":

@@ -182,3 +182,13 @@ def override(**changes) -> Iterator[Environment]:
         yield env
     finally:
         install(before)
+
+
+def child_environ(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a Python process the group starts: the parent's (or `base`) plus
+    `extra`, with PYTHONSAFEPATH=1, so that the child's working directory (a checkout's root,
+    whose `kernels/` and `pipeline/` folders would shadow installed packages) is never put on
+    its import path by `python -m`."""
+    environ = dict(os.environ if base is None else base, **extra)
+    environ["PYTHONSAFEPATH"] = "1"
+    return environ

@@ -37,7 +37,7 @@ class EngineGroup:
         self.output_addr = config.ipc.output_addr
         argv = _config_to_argv(config, str(self.model_dir))
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.launch", *argv],
-                                     start_new_session=True)
+                                     env=envs.child_environ(), start_new_session=True)
         atexit.register(self.stop)
 
     def wait_ready(self, client_health) -> None:

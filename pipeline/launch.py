@@ -130,7 +130,7 @@ class Supervisor:
         child.ready, child.last_cause, child.last_beat = False, "", time.monotonic()
         cmd = [sys.executable, "-m", child.module, "--config-json", self.config.to_json(),
                "--rank", str(child.rank), "--incarnation", str(child.incarnation)]
-        env = dict(os.environ, **{envs.ROLE_VARIABLE: child.name})
+        env = envs.child_environ(**{envs.ROLE_VARIABLE: child.name})
         if child.role == "worker" and self.local_rendezvous:
             for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 env.setdefault(variable, "lo")

@@ -7,5 +7,6 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
-cd "$ROOT"
+# From the caller's directory (a relative --model path is theirs); setup.sh exported
+# PYTHONSAFEPATH=1, so no directory is put on the import path by `python -m`.
 exec python -m pagedserve.pipeline.launch "$@"

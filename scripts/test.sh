@@ -5,4 +5,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+# setup.sh exported PYTHONSAFEPATH=1: `python -m pytest` does not put the repository root on the
+# import path (its kernels/ would shadow Hugging Face's kernels package).
 exec python -m pytest "$@"

@@ -40,7 +40,9 @@ def test_wheel_installs_only_pagedserve(tmp_path):
     code = ("import importlib.util, pagedserve.pipeline, pagedserve.kernels.native\n"
             "assert pagedserve.pipeline.__file__.startswith(%r)\n"
             "for name in ('kernels', 'pipeline', 'workers', 'kvmanager'):\n"
-            "    assert importlib.util.find_spec(name) is None, name\n" % str(site))
+            "    spec = importlib.util.find_spec(name)  # Hugging Face's kernels may be there\n"
+            "    assert spec is None or not (spec.origin or '').startswith(%r), name\n"
+            % (str(site), str(site)))
     # Only the extracted wheel on the path, run from a folder with no sources in it.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)

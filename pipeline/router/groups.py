@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedserve import envs
 from pagedserve.lifecycle import remove_file
 from pagedserve.pipeline.config import IpcArgs
 
@@ -83,7 +84,7 @@ class LocalGroup:
                "--port", str(self.port), "--ipc-dir", self.ipc_dir, "--die-with-parent",
                *self.spec.engine_args]
         # Its own session: a signal meant for the router does not reach the group directly.
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=envs.child_environ(), start_new_session=True)
         self.starts += 1
         self.started_at = time.monotonic()
         log.info("started engine group %s pid=%d port=%d", self.name, self.proc.pid, self.port)

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy import deploy_files
-from tests.deploy.monitoring_schema import SCHEMAS
+from deploy import deploy_files
+from deploy.monitoring_schema import SCHEMAS
 
 K8S_VERSION = "1.31.0"   # a cluster version the manifests must hold for (and anything newer)
 NOT_KUBERNETES = {"Kustomization"}   # kustomize's own file: checked by test_kustomizations

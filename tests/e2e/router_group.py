@@ -13,7 +13,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.lifecycle import stop_process_group
-from tests.faults.conftest import free_port
+from faults.conftest import free_port
 
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05")
 

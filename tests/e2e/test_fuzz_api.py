@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.script_module import load_script
+from script_module import load_script
 
-from tests.faults.conftest import Group
+from faults.conftest import Group
 
 pytestmark = pytest.mark.slow
 

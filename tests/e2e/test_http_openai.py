@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.faults.conftest import Group
+from faults.conftest import Group
 from pagedserve.workers.testing import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -169,7 +169,7 @@ def test_a_message_no_role_handles_is_logged_counted_and_exported(server):
 def test_deploy_dashboard_and_hpa_metrics_are_exported(server):
     """Every series the Grafana dashboard and the HPA (through prometheus-adapter's rules) in
     deploy/ query is one this running engine exports."""
-    from tests.deploy.deploy_files import exported_series, missing_from, used_metric_names
+    from deploy.deploy_files import exported_series, missing_from, used_metric_names
     _, base, sdk, model = server
     sdk.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
     exported = exported_series(httpx.get(f"{base}/metrics", timeout=30).text)

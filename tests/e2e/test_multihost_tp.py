@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e import netns
+from e2e import netns
 from pagedserve import SamplingParams
 from pagedserve.pipeline.client import EngineClient
 

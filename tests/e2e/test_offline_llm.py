@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from pagedserve.pipeline import LLM, SamplingParams
-from tests.e2e.conftest import our_processes, shm_segments
+from e2e.conftest import our_processes, shm_segments
 from pagedserve.workers.testing import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from pagedserve.pipeline.config import IpcArgs
 
-from tests.e2e.router_group import Router, alive, metric
+from e2e.router_group import Router, alive, metric
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.router_group import Router, metric, scrape
+from e2e.router_group import Router, metric, scrape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import sharegpt

@@ -7,7 +7,7 @@ import json
 import statistics
 
 from pagedserve.pipeline import LLM, SamplingParams
-from tests.script_module import load_script
+from script_module import load_script
 
 PHASES = ("schedule_ms", "send_ms", "forward_ms", "matmul_ms", "attention_ms", "other_ms",
           "sample_ms", "return_ms", "update_ms", "round_trip_ms")

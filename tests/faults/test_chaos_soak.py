@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.script_module import load_script
+from script_module import load_script
 
 pytestmark = pytest.mark.slow
 

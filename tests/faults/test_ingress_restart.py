@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.faults.conftest import Group
+from faults.conftest import Group
 
 pytestmark = pytest.mark.slow
 

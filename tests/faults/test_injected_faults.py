@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.outputs import RequestError
-from tests.faults.conftest import GREEDY, Group, sampled, token_ids
+from faults.conftest import GREEDY, Group, sampled, token_ids
 from pagedserve.pipeline.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.faults.conftest import Group, token_ids
+from faults.conftest import Group, token_ids
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import math
 import httpx
 import pytest
 
-from tests.script_module import load_script
+from script_module import load_script
 
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.testing import make_test_context

@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from tests.script_module import load_script
+from script_module import load_script
 
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.protocol import (LIMIT_KEY, ChatCompletionRequest,

@@ -1,7 +1,7 @@
 """`return_token_ids` (vLLM's extension): every choice carries its token ids and the prompt's,
 streamed and not; the router resumes a broken stream from them."""
 
-from tests.pipeline.test_ingress_api import HELLO, MSGS, run_with_client, sse_events
+from test_ingress_api import HELLO, MSGS, run_with_client, sse_events
 
 
 def test_completion_stream_and_body_carry_token_ids():

@@ -7,7 +7,7 @@ import httpx
 
 from pagedserve.pipeline.router.app import build_router_app
 from pagedserve.pipeline.router.ratelimit import KeyLimit, RateLimiter
-from tests.pipeline.test_router_resume import chat_chunks, make_service, sse
+from test_router_resume import chat_chunks, make_service, sse
 
 
 def test_keys_models_limits_and_a_stream_through_the_app():

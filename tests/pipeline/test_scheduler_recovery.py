@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.pipeline.scheduler.sequence import Request, SequenceStatus
-from tests.pipeline.sched_fakes import expected_tokens, make_scheduler
+from sched_fakes import expected_tokens, make_scheduler
 
 
 def _requests(n: int, max_tokens: int = 24) -> list[Request]:

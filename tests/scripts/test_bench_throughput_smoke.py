@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tests.script_module import load_script
+from script_module import load_script
 
 bench = load_script("bench_throughput")
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.faults.conftest import Group
+from faults.conftest import Group
 
 pytestmark = pytest.mark.slow
 TEMPLATE = Path(__file__).with_name("hermes_template.jinja")

@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.pipeline import SamplingParams
 from pagedserve.pipeline.structured.spec import StructuredOutputs
-from tests.faults.conftest import Group, token_ids
+from faults.conftest import Group, token_ids
 
 pytestmark = pytest.mark.slow
 

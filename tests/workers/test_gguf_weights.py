@@ -70,7 +70,7 @@ def test_an_untied_models_embedding_table_stays_a_mapping_of_the_file(tmp_path):
     """With its own LM head (output.weight), a model only looks rows of token_embd up: the table
     is a private mapping of the file (resident only where rows were read), the LM head is read
     into memory as every other weight."""
-    from tests.script_module import load_script
+    from script_module import load_script
     from pagedserve.workers.gguf_weights import iter_gguf_weights
     script = load_script("write_random_gguf")
     path = tmp_path / "tiny.gguf"

@@ -21,7 +21,7 @@ from pagedserve.workers.int4_checkpoints import (
 from pagedserve.workers.load_error import ModelLoadError
 from safetensors.torch import save_file
 
-from tests.workers.int4_fixtures import (
+from int4_fixtures import (
     AWQ_ORDER,
     quantization_config,
     quantize_linear,

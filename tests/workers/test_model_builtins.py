@@ -16,7 +16,7 @@ from pagedserve.workers.loader import load_config, resolve_model
 from pagedserve.workers.testing import hf_greedy
 from test_worker_core import make_core, run_greedy
 
-from tests.script_module import load_script
+from script_module import load_script
 
 pytestmark = pytest.mark.slow
 

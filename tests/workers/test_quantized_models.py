@@ -24,7 +24,7 @@ from pagedserve.workers.model_runner import ModelRunner, SeqStep
 from pagedserve.workers.models.quantized import QuantizedMatmul
 from test_model import all_row_logits
 
-from tests.script_module import load_script
+from script_module import load_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not gl.available(),
                                                    reason="native kernels unavailable")]
