@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# Idempotent set-up: creates .venv and installs the project (editable, with the dev extra).
+# Idempotent set-up: creates .venv, installs the locked dependencies (scripts/lock/, exact
+# versions with hashes) and the project itself (editable, no dependency resolution).
 # Sourced by scripts/test.sh and scripts/launch.sh; safe to run on its own. A second run with
 # nothing to do only compares a stamp and returns in well under a second.
+# Refresh the lock with scripts/lock.sh; try the newest releases with scripts/check_newest.py.
+# PYTHONSAFEPATH=1: no Python process of ours puts its working directory (a checkout's root,
+# whose kernels/ would shadow Hugging Face's kernels package) on its import path.
+# PAGEDSERVE_SETUP=skip: use the Python environment already active, as it is (an environment
+# you manage yourself, or scripts/check_newest.py's venv of the newest releases).
 set -euo pipefail
+export PYTHONSAFEPATH=1
+if [ "${PAGEDSERVE_SETUP:-}" = "skip" ]; then
+    return 0 2>/dev/null || exit 0
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${PAGEDSERVE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.pagedserve-installed"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+LOCK="$ROOT/scripts/lock/linux-$(uname -m).txt"
+if [ ! -f "$LOCK" ]; then
+    echo "[setup] no lock for $(uname -m) (scripts/lock/ has: $(ls "$ROOT/scripts/lock" | \
+        grep -o 'linux-.*\.txt' | tr '\n' ' ')); scripts/lock.sh makes one" >&2
+    return 1 2>/dev/null || exit 1
+fi
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$LOCK" | sha256sum | cut -d' ' -f1)"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV" >&2
     "$PY" -m venv "$VENV"
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
-    echo "[setup] installing dependencies into $VENV" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    # torch 2.13.0 resolves to the CPU build kept on this machine's disk; an unpinned torch
-    # would download a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    echo "[setup] installing $(basename "$LOCK") into $VENV" >&2
+    if ! "$VENV/bin/python" -m pip install -q --require-hashes -r "$LOCK"; then
+        echo "[setup] installing the lock failed. torch's CPU build for x86_64 is not on PyPI:" \
+             "where pip finds no torch==2.13.0+cpu, run again with" \
+             "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
+        return 1 2>/dev/null || exit 1
+    fi
+    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
     echo "$want" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

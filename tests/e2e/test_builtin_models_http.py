@@ -15,15 +15,16 @@ import pytest
 from pagedserve.pipeline.tokenizer import load_tokenizer
 from pagedserve.workers.loader import resolve_model
 from pagedserve.workers.testing import hf_greedy
-from tests.faults.conftest import Group
+from faults.conftest import Group
 
 pytestmark = pytest.mark.slow
 
 
-def serve(name: str, *extra: str):
+def serve(name: str, *extra: str, default: bool = False):
+    """`default`: started as the README starts it, `scripts/launch.sh` with no --model."""
     model_dir = resolve_model(name)
     # a request without max_tokens reserves the whole context: 2,048 tokens fit the test's cache
-    group = Group(model_dir, http=True,
+    group = Group(None if default else model_dir, http=True, launch_sh=default,
                   extra=("--served-model-name", name, "--max-model-len", "2048", *extra))
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{group.port}/v1", api_key="none",
                         max_retries=0, timeout=300)
@@ -58,12 +59,13 @@ QWEN = "Qwen2.5-Coder-0.5B-Instruct"
 
 @pytest.fixture(scope="module")
 def qwen():
-    group, sdk, model_dir = serve(QWEN, "--tool-call-parser", "hermes")
+    group, sdk, model_dir = serve(QWEN, "--tool-call-parser", "hermes", default=True)
     yield sdk, model_dir
     assert group.close() == 0
 
 
 def test_qwen_chat_streaming_n2_logprobs_stop(qwen):
+    """The README's request, to `scripts/launch.sh` with no flags but the test's sizes."""
     sdk, model_dir = qwen
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     answer = sdk.chat.completions.create(model=QWEN, messages=messages)   # its defaults

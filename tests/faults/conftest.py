@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -23,6 +24,7 @@ TOPICS = ["the sea", "mountains", "a robot", "bread", "the moon", "rivers", "che
           "a library", "trains", "coffee", "bees", "volcanoes", "music", "a garden", "clocks"]
 PROMPTS = [f"Write one sentence about {t}." if i % 2 == 0 else f"Q: What do you know about {t}?\nA:"
            for i, t in enumerate(TOPICS * 2)]
+LAUNCH_SH = Path(__file__).resolve().parents[2] / "scripts" / "launch.sh"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
@@ -53,18 +55,23 @@ class Group:
     """One launched group, a ZMQ client on it, and handles on its role processes."""
 
     def __init__(self, model_dir, *, tp: int = 1, fault: str = "", http: bool = False,
-                 extra: tuple[str, ...] = (), wait_http: bool = True):
+                 extra: tuple[str, ...] = (), wait_http: bool = True, launch_sh: bool = False):
+        """`launch_sh`: started as a user starts it, `scripts/launch.sh` from the repository
+        root (`model_dir` None: the default model)."""
         # A folder the launcher creates (and so removes) inside one of ours
         self.parent_dir = tempfile.mkdtemp(prefix="pagedserve-test-")
         self.ipc_dir = os.path.join(self.parent_dir, "ipc")
         self.port = free_port() if http else None
-        cmd = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model", str(model_dir),
-               "--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05",
+        cmd = (["bash", str(LAUNCH_SH)] if launch_sh
+               else [sys.executable, "-m", "pagedserve.pipeline.launch"])
+        cmd += [] if model_dir is None else ["--model", str(model_dir)]
+        cmd += ["--dtype", "float32", "--kv-cache-memory", "96MiB", "--swap-space", "0.05",
                "--tensor-parallel-size", str(tp), "--ipc-dir", self.ipc_dir,
                "--step-timeout", "20", "--heartbeat-timeout", "8", "--die-with-parent", *extra]
         cmd += ["--port", str(self.port)] if http else ["--no-http"]
         env = dict(os.environ, PAGEDSERVE_FAULT=fault)
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                     cwd=LAUNCH_SH.parents[1] if launch_sh else None)
         self.frontend = f"ipc://{self.ipc_dir}/frontend.sock"
         self.output = f"ipc://{self.ipc_dir}/output.sock"
         self.client = EngineClient(self.frontend, self.output, connect_timeout=600)
