@@ -9,9 +9,16 @@ import msgspec
 from pagedserve.pipeline.structured.spec import StructuredOutputs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias value
+# Limits on what one request may make the engine do: each field below multiplies some work (the
+# samples, the vocabulary rows sorted for logprobs, the detokenizer's stop matching), so each has
+# a bound a normal client does not reach, named in the error that refuses more.
+MAX_N = 128                   # samples of one request; the ingress also caps it by max_num_seqs
+MAX_LOGPROBS = 20             # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 100.0        # OpenAI's range for a bias value
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_STRINGS = 16         # OpenAI allows 4
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 # Fields a request may leave unset (None) for the model's default (pipeline/generation_defaults.py),
 # with the value they take when the model has none.
@@ -88,53 +95,79 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty not in (None, 1.0))
 
-    def validate(self, *, vocab_size: int | None = None, max_n: int = 128,
+    def validate(self, *, vocab_size: int | None = None, max_n: int = MAX_N,
                  check_structured: bool = True) -> "SamplingParams":
-        """`check_structured`: parse structured_outputs (milliseconds; the scheduler, which
-        compiles it off its loop anyway, skips this)."""
-        def bad(field: str, msg: str) -> ValueError:
-            return ValueError(f"{field} {msg}")
+        """The one gate of every entry point (HTTP, the Python API, the engine client, the
+        scheduler's admission): ValueError naming the field, its value and the limit.
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            v = getattr(self, name)
-            if v is None and name in NEUTRAL_VALUES:
-                continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise bad(name, f"must be a finite number, got {v!r}")
-        if not 1 <= self.n <= max_n:
-            raise bad("n", f"must be between 1 and {max_n}, got {self.n}")
-        _check_ranges(self.with_defaults())
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -2.0 <= v <= 2.0:
-                raise bad(name, f"must be in [-2, 2], got {v}")
-        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
-            raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "entries must be non-empty strings")
-        for t in self.stop_token_ids:
-            _check_token_id("stop_token_ids", t, vocab_size)
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise bad("logit_bias", f"has {len(self.logit_bias)} entries, at most "
-                                    f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
-        for t, v in self.logit_bias.items():
-            _check_token_id("logit_bias", t, vocab_size)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
-                    or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
-                raise bad("logit_bias", f"value for token {t} must be a number in "
-                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
-        if self.structured_outputs is not None and check_structured:
-            self.structured_outputs.check()
+        `check_structured`: parse structured_outputs (milliseconds; the scheduler, which
+        compiles it off its loop anyway, skips this, but not the size check)."""
+        _check_numbers(self, max_n)
+        _check_stops(self, vocab_size)
+        _check_logit_bias(self, vocab_size)
+        if self.structured_outputs is not None:
+            if check_structured:
+                self.structured_outputs.check()
+            else:
+                self.structured_outputs.check_size()
         return self
+
+
+def check_count(field: str, count: int, limit: int, unit: str) -> None:
+    """Refuse `count` items of a field over its `limit`, in the words every limit uses."""
+    if count > limit:
+        raise ValueError(f"{field} has {count} {unit} but at most {limit} are allowed")
+
+
+def _check_numbers(p: SamplingParams, max_n: int) -> None:
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        v = getattr(p, name)
+        if v is None and name in NEUTRAL_VALUES:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if not 1 <= p.n <= max_n:
+        raise ValueError(f"n must be between 1 and {max_n}, got {p.n}")
+    _check_ranges(p.with_defaults())
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not -2.0 <= v <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {v}")
+    if p.seed is not None and not INT64_MIN <= p.seed <= INT64_MAX:
+        raise ValueError(f"seed must fit in a signed 64-bit integer, got {p.seed}")
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {p.max_tokens}")
+    if p.min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {p.min_tokens}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise ValueError(f"min_tokens ({p.min_tokens}) must not exceed max_tokens "
+                         f"({p.max_tokens})")
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}")
+
+
+def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
+    check_count("stop", len(p.stop), MAX_STOP_STRINGS, "strings")
+    for i, stop in enumerate(p.stop):
+        if not isinstance(stop, str) or not stop:
+            raise ValueError("stop entries must be non-empty strings")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop[{i}] has {len(stop)} characters but at most "
+                             f"{MAX_STOP_STRING_CHARS} are allowed")
+    check_count("stop_token_ids", len(p.stop_token_ids), MAX_STOP_TOKEN_IDS, "token ids")
+    for t in p.stop_token_ids:
+        _check_token_id("stop_token_ids", t, vocab_size)
+
+
+def _check_logit_bias(p: SamplingParams, vocab_size: int | None) -> None:
+    check_count("logit_bias", len(p.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
+    for t, v in p.logit_bias.items():
+        _check_token_id("logit_bias", t, vocab_size)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias value for token {t} must be a number in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
 
 
 def _check_ranges(p: SamplingParams) -> None:

@@ -4,19 +4,28 @@
 RecursionError (in the parser, or in anything that walks the value afterwards), strings with a
 lone UTF-16 surrogate (a `\\ud800` escape: no tokenizer, msgpack or UTF-8 response can carry
 one), and bytes that are not UTF-8. Each becomes a 400 here.
+
+Every check is linear in the body's size whatever its bytes (scripts/bench_body_scan.py
+measures it): no pattern here can backtrack, and the nesting is measured by C
+loops, never by a Python loop per byte or per token.
 """
 from __future__ import annotations
 
 import json
 import re
+from itertools import accumulate
 from typing import Any
 
 from pagedserve.pipeline.ingress.errors import invalid
 
 MAX_JSON_DEPTH = 64  # nested arrays/objects; a real request uses 4 (messages -> parts -> part)
 
-# A string token (skipped whole) or a bracket: enough to measure nesting without parsing.
-_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# A string, skipped whole: possessive (nothing is given back to retry), and ending at its
+# closing quote or at the end of the body, so an unterminated string swallows the rest instead
+# of failing and being retried from each quote inside it (which was quadratic).
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = tuple(1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256))
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # also matches escaped valid pairs
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after decoding, a pair is one code point
 
@@ -44,35 +53,37 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
 
 def nesting_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in `raw` (brackets inside strings skipped)."""
-    depth = deepest = 0
-    for match in _TOKENS.finditer(raw):
-        token = match.group()
-        if token in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token in (b"]", b"}"):
-            depth -= 1
-    return deepest
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets), initial=0))
 
 
 def lone_surrogate_path(value: Any) -> str | None:
     """The dotted path ("messages.0.content") of the first string, key or value, holding a lone
     surrogate; None when there is none."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    # Each item carries a link to its parent's (link, key), not its path: a path string per
+    # item would copy a long key once per item beneath it (quadratic in the body's size).
+    stack: list[tuple[tuple | None, Any]] = [(None, value)]
     while stack:
-        path, item = stack.pop()
+        link, item = stack.pop()
         if isinstance(item, str):
             if _LONE_SURROGATE.search(item):
-                return path or "the request body"
+                return _dotted(link) or "the request body"
         elif isinstance(item, dict):
             for key, child in item.items():
-                child_path = f"{path}.{key}" if path else key
                 if _LONE_SURROGATE.search(key):
-                    return path or "the request body"
-                stack.append((child_path, child))
+                    return _dotted(link) or "the request body"
+                stack.append(((link, key), child))
         elif isinstance(item, list):
-            stack.extend((f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item))
+            stack.extend(((link, i), child) for i, child in enumerate(item))
     return None
+
+
+def _dotted(link: tuple | None) -> str:
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(str(key))
+    return ".".join(reversed(keys))
 
 
 def json_type(value: Any) -> str:

@@ -1,5 +1,8 @@
-"""HTTP limits on what a client may make the ingress hold: header bytes, URL length, and the
-time a request body may take to arrive.
+"""HTTP limits on what a client may make the ingress hold: header bytes, URL length, the time
+a request body may take to arrive, and the fields of a chat request that only the ingress reads
+(messages, tools). The sampling fields' limits are SamplingParams.validate's
+(pipeline/sampling_params.py), the structured-output spec's pipeline/structured/spec.py's, and
+the body's nesting pipeline/ingress/json_body.py's.
 
 uvicorn's h11 parser bounds only an *incomplete* header block (`h11_max_incomplete_event_size`):
 64 KiB of headers or a 64 KiB URL that arrive in one read pass through to the app. So the app
@@ -19,6 +22,9 @@ MAX_HEADER_BYTES = 16 * 1024  # all header names and values; Node's and h11's de
 MAX_URL_BYTES = 8 * 1024      # path + query
 BODY_TIMEOUT_S = 60.0         # from the headers to the body's last byte
 KEEP_ALIVE_S = 30             # an idle kept-alive connection is closed after this
+MAX_CHAT_MESSAGES = 2048      # OpenAI's limit; each is a turn of the chat template
+MAX_TOOLS = 128               # OpenAI's limit; each is rendered into the prompt
+MAX_TOOLS_JSON_CHARS = 200_000  # all tools as JSON: required / named turn them into a grammar
 
 
 def uvicorn_settings() -> dict[str, Any]:

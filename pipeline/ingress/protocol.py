@@ -16,11 +16,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.ingress.limits import MAX_CHAT_MESSAGES, MAX_TOOLS
 from pagedserve.pipeline.ingress.structured_fields import structured_spec
 from pagedserve.pipeline.ingress.tools import template_messages_args
 from pagedserve.pipeline.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
                                                  MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
-                                                 SamplingParams)
+                                                 MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                                 MAX_STOP_TOKEN_IDS, SamplingParams, check_count)
 
 LIMIT_KEY = "x-pagedserve-limit"  # replaced by "maximum": the served model's limit of that name
 
@@ -33,6 +35,7 @@ def _doc(tp: Any, **schema: Any) -> Any:
 _INT64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
 _TOKEN_ID = {"type": "integer", "minimum": 0, LIMIT_KEY: "token_id"}
 _TEXT = {"type": "string", "minLength": 1}
+_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
 
 Prompt = (_doc(str, **_TEXT)
           | _doc(list[str], type="array", minItems=1, items=_TEXT, **{LIMIT_KEY: "prompts"})
@@ -67,8 +70,10 @@ class _SamplingFields(_Body):
     max_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}) | None = Field(
         None, description="prompt tokens + max_tokens must fit the model's context")
     min_tokens: _doc(int, type="integer", minimum=0) | None = None
-    stop: _doc(str, **_TEXT) | list[_doc(str, **_TEXT)] | None = None
-    stop_token_ids: list[_doc(int, **_TOKEN_ID)] | None = None
+    stop: _doc(str, **_STOP) | _doc(list[str], type="array", items=_STOP,
+                                    maxItems=MAX_STOP_STRINGS) | None = None
+    stop_token_ids: _doc(list[int], type="array", items=_TOKEN_ID,
+                         maxItems=MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -132,6 +137,7 @@ class _SamplingFields(_Body):
 def token_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias keys are token ids written as JSON object keys (strings); the range
     of the ids and the values is SamplingParams.validate's to check."""
+    check_count("logit_bias", len(bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
     out = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 19):
@@ -213,7 +219,9 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Not the schema's maxItems: that many messages outgrow the default body limit, so a
+    # client sending them meets its 413 before the count's 400.
+    messages: list[ChatMessage] = Field(min_length=1, description=f"at most {MAX_CHAT_MESSAGES}")
     max_completion_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}
                                 ) | None = Field(None, description="takes precedence over "
                                                  "max_tokens")
@@ -221,7 +229,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
         None, description="needs logprobs to be true")
     tools: list[dict[str, Any]] | None = Field(
-        None, description="[{type: function, function: {name, description, parameters}}]")
+        None, description="[{type: function, function: {name, description, parameters}}]",
+        json_schema_extra={"maxItems": MAX_TOOLS})
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="none, auto (needs --tool-call-parser), required, or "
                           "{type: function, function: {name}}")
@@ -234,6 +243,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
+        if len(self.messages) > MAX_CHAT_MESSAGES:
+            raise invalid(f"messages has {len(self.messages)} entries but at most "
+                          f"{MAX_CHAT_MESSAGES} are allowed", "messages")
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.ingress.limits import MAX_TOOLS, MAX_TOOLS_JSON_CHARS
 from pagedserve.pipeline.ingress.tool_parsers import PARSERS, Parsed, ParsedCall, parse_json_array
 from pagedserve.pipeline.structured.spec import StructuredOutputs
 
@@ -49,6 +50,13 @@ class ToolPlan:
 
 
 def _check_tools(tools: list[dict]) -> dict[str, dict]:
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"tools has {len(tools)} functions but at most {MAX_TOOLS} are allowed",
+                      "tools")
+    size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_TOOLS_JSON_CHARS:
+        raise invalid(f"tools has {size} characters as JSON but at most {MAX_TOOLS_JSON_CHARS} "
+                      "are allowed", "tools")
     by_name = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None

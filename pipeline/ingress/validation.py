@@ -106,7 +106,7 @@ def validated_params(params_factory, *, vocab_size: int, max_n: int,
         return params.validate(vocab_size=vocab_size, max_n=max_n, check_structured=False)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        field = message.split(" ", 1)[0]
+        field = message.split(" ", 1)[0].split("[", 1)[0]  # "stop[3] has ..." names stop
         param = (param_names or {}).get(field, field)
         if param != field:
             message = param + message[len(field):]

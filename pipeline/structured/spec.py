@@ -14,7 +14,13 @@ from typing import Any
 import msgspec
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# The compile cost grows with the spec: a schema, regex or grammar (or all choices together) of
+# at most this many characters, and at most MAX_CHOICES choices.
 MAX_SPEC_CHARS = 200_000
+MAX_CHOICES = 1024
+# Nested arrays and objects of a JSON schema or structural tag, as of a request body: deeper,
+# json.loads, jsonschema and xgrammar's converter recurse past their stacks.
+MAX_SPEC_DEPTH = 64
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -38,13 +44,17 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
         """A schema given as a dict (or JSON text), kept as compact JSON text. Keys keep their
         order: it is the order in which the output writes an object's properties."""
         if isinstance(schema, str):
+            _check_depth("the JSON schema", schema)
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(json=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        try:
+            return cls(json=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        except RecursionError:
+            raise ValueError(_too_deep("the JSON schema", None)) from None
 
     @property
     def kind(self) -> str:
@@ -62,16 +72,31 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
         """The EBNF of a choice: one rule with each option a quoted literal."""
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
 
-    def check(self) -> "StructuredOutputs":
-        """Raise ValueError naming the problem if the spec cannot be turned into a grammar."""
+    def check_size(self) -> "StructuredOutputs":
+        """Raise ValueError if the spec is over its limits (cheap: no parsing)."""
         kind = self.kind
         value = getattr(self, kind)
-        if isinstance(value, str) and len(value) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured output {kind} has {len(value)} characters, "
-                             f"at most {MAX_SPEC_CHARS} are allowed")
-        if kind == "choice" and (not self.choice or any(not isinstance(c, str) or not c
-                                                        for c in self.choice)):
-            raise ValueError("structured output choice must be a non-empty list of non-empty strings")
+        if kind == "choice":
+            if not isinstance(value, list) or not value \
+                    or any(not isinstance(c, str) or not c for c in value):
+                raise ValueError("structured output choice must be a non-empty list of "
+                                 "non-empty strings")
+            if len(value) > MAX_CHOICES:
+                raise ValueError(f"structured output choice has {len(value)} choices but at "
+                                 f"most {MAX_CHOICES} are allowed")
+            size = sum(map(len, value))
+        else:
+            size = len(value) if isinstance(value, str) else 0
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"structured output {kind} has {size} characters but at most "
+                             f"{MAX_SPEC_CHARS} are allowed")
+        if kind in ("json", "structural_tag") and isinstance(value, str):
+            _check_depth(f"structured output {kind}", value)
+        return self
+
+    def check(self) -> "StructuredOutputs":
+        """Raise ValueError naming the problem if the spec cannot be turned into a grammar."""
+        kind = self.check_size().kind
         if kind == "json":
             _check_schema(json.loads(self.json))
         try:
@@ -129,3 +154,34 @@ def _check_schema(schema: Any) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise ValueError(f"invalid JSON schema at {where}: {exc.message}") from None
+
+
+def _check_depth(what: str, text: str) -> None:
+    """Refuse JSON text nested deeper than MAX_SPEC_DEPTH (text that is not JSON passes: its
+    parser says so)."""
+    if text.count("[") + text.count("{") <= MAX_SPEC_DEPTH:
+        return
+    try:
+        depth = _json_depth(json.loads(text))
+    except RecursionError:
+        raise ValueError(_too_deep(what, None)) from None
+    except ValueError:
+        return
+    if depth > MAX_SPEC_DEPTH:
+        raise ValueError(_too_deep(what, depth))
+
+
+def _json_depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _too_deep(what: str, depth: int | None) -> str:
+    shown = f"{depth} levels" if depth is not None else "deeper than a JSON parser allows"
+    return (f"{what} nests arrays and objects {shown}{' deep' if depth else ''}; at most "
+            f"{MAX_SPEC_DEPTH} levels are allowed")
