@@ -30,7 +30,7 @@ import bench_record  # noqa: E402
 
 LOCK = ROOT / "scripts" / "lock" / f"linux-{platform.machine()}.txt"
 EXTRA = ROOT / "scripts" / "lock" / f"extra-{platform.machine()}.in"
-SUMMARY = re.compile(r"=+ (.*?) in ([\d.]+)s")
+SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)*) in ([\d.]+)s", re.M)
 
 
 def torch_pin() -> str:
@@ -58,7 +58,11 @@ def build_venv(venv: Path) -> float:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     run([*pip, "--upgrade", "pip"], check=True)
     run([*pip, torch_pin()], check=True)
-    run([*pip, "--upgrade", "--upgrade-strategy", "eager", "-e", f"{ROOT}[dev]"], check=True)
+    # torch held at the CPU build (an eager upgrade would take the newest, a CUDA build)
+    keep = venv.parent / "torch-constraint.txt"
+    keep.write_text(torch_pin() + "\n")
+    run([*pip, "--upgrade", "--upgrade-strategy", "eager", "-c", str(keep), "-e", f"{ROOT}[dev]"],
+        check=True)
     return time.monotonic() - start
 
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def test_short_chaos_soak_loses_nothing():
     soak = load_script("chaos_soak")
-    result = soak.main(["--duration", "25", "--streams", "8", "--interval", "4", "7",
+    result = soak.main(["--duration", "15", "--streams", "8", "--interval", "4", "7",
                         "--workload", "16", "--max-tokens", "8", "24", "--tp", "2",
                         "--seed", "3", "--no-store"])
     assert result["faults"] >= 2
