@@ -1,7 +1,7 @@
 """Fuzz a running server's HTTP API, then check that it is still whole.
 
 Starts nothing: point it at a server (`scripts/launch.sh`, or tests.faults.conftest.Group with
-http=True). Four parts, each bounded in count and time:
+http=True). Five parts, each bounded in count and time:
 
 1. schema: schemathesis over every operation of the served /openapi.json (its coverage and
    fuzzing phases, positive and negative data, a seed, --max-examples per operation): no 5xx,
@@ -11,7 +11,9 @@ http=True). Four parts, each bounded in count and time:
 3. drop: --connections connections, --concurrency at a time, each sending part of a request
    (headers only, half a body, or a whole streaming request read to its first chunk) and closing;
 4. oversize: 64 KiB of headers, a 64 KiB request line, and bodies over --max-request-bytes
-   (declared and chunked).
+   (declared and chunked);
+5. hostile: each request of scripts/hostile_requests.py once (a field far past its limit: stop
+   strings, nesting, n, logit_bias, messages, tools, schema depth): a 4xx naming the field.
 
 Then: the engine's KV pool back to 0 (GET /metrics: vllm:kv_cache_usage_perc and
 vllm:num_requests_running both 0 within --settle-timeout) and a normal completion served. Prints
@@ -312,6 +314,33 @@ def _chunked(target: Target, body: bytes) -> bytes:
     return head + chunks + b"0\r\n\r\n"
 
 
+# -- 5. hostile fields (scripts/hostile_requests.py) ---------------------------------------------
+async def hostile(target: Target, *, seed: int, timeout: float) -> dict:
+    """Each generated case once: its status, whether the error names the field, its seconds."""
+    import random
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hostile_requests
+    found: dict[str, dict] = {}
+    for name, (body, field) in hostile_requests.cases(target.model, random.Random(seed)).items():
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        start = time.monotonic()
+        reader, writer = await target.connect()
+        try:
+            writer.write(target.request("/v1/chat/completions", raw))
+            await writer.drain()
+            status, rest = await read_response(reader, timeout)
+        finally:
+            await _close(writer)
+        found[name] = {"status": status if status is not None else "no_response",
+                       "names_field": field is None or field.encode() in rest,
+                       "bytes": len(raw), "seconds": round(time.monotonic() - start, 3)}
+    refused = all(isinstance(c["status"], int) and 400 <= c["status"] < 500 and c["names_field"]
+                  for c in found.values())
+    return {"requests": len(found), "cases": found, "all_refused_naming_the_field": refused,
+            "worst_seconds": max(c["seconds"] for c in found.values()),
+            "statuses": _by_status(Counter(c["status"] for c in found.values()))}
+
+
 # -- the checks after ------------------------------------------------------------------------------
 async def normal_completion(target: Target, timeout: float) -> int | str:
     """The status of a plain completion ("no_response" when none came, "bad_body" for a 200
@@ -370,12 +399,15 @@ def _server_errors(statuses: dict[str, int]) -> int:
 
 
 # -- main -----------------------------------------------------------------------------------
+PARTS = "schema,slow,drop,oversize,hostile"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True)
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    p.add_argument("--parts", default="schema,slow,drop,oversize")
+    p.add_argument("--parts", default=PARTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-examples", type=int, default=100, help="per operation and mode")
     p.add_argument("--schema-phases", default="coverage,fuzzing",
@@ -422,8 +454,10 @@ def run(args: argparse.Namespace) -> dict:
         elif part == "oversize":
             out = asyncio.run(oversized(target, max_request_bytes=args.max_request_bytes,
                                         timeout=args.timeout))
+        elif part == "hostile":
+            out = asyncio.run(hostile(target, seed=args.seed, timeout=args.timeout))
         else:
-            raise SystemExit(f"unknown part {part!r}; choose from schema,slow,drop,oversize")
+            raise SystemExit(f"unknown part {part!r}; choose from {PARTS}")
         out["seconds"] = round(time.monotonic() - t0, 1)
         result["parts"][part] = out
         print(f"[fuzz_api] {part}: {json.dumps(out)[:400]}", file=sys.stderr, flush=True)
@@ -440,7 +474,9 @@ def run(args: argparse.Namespace) -> dict:
         "next_request_status": after, "seconds": round(time.monotonic() - started, 1)})
     result["ok"] = (result["server_errors_5xx"] == 0 and result["schema_failures"] == 0
                     and bool(gauges) and all(v == 0 for v in gauges.values()) and after == 200
-                    and result["parts"].get("slow", {}).get("served_while_slow", True))
+                    and result["parts"].get("slow", {}).get("served_while_slow", True)
+                    and result["parts"].get("hostile", {}).get("all_refused_naming_the_field",
+                                                               True))
     return result
 
 

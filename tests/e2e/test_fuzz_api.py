@@ -28,6 +28,7 @@ def test_fuzzed_api_no_5xx_pool_back_to_zero_next_request_served(model_dir):
                          "--max-examples", "15", "--gen-tokens", "1", "--slow-clients", "2",
                          "--slow-seconds", "3", "--connections", "200", "--concurrency", "32",
                          "--timeout", "60", "--settle-timeout", "30", "--no-store"])
+        assert out["parts"]["hostile"]["all_refused_naming_the_field"], out["parts"]["hostile"]
         assert out["parts"]["schema"]["failures"] == []
         assert out["server_errors_5xx"] == 0, out["statuses"]
         assert out["parts"]["drop"]["kinds"] == {"headers_only": 67, "half_body": 67,

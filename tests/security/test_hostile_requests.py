@@ -5,6 +5,7 @@ good request served. Before the fixes, the 300,000-character stop string grew th
 for minutes."""
 from __future__ import annotations
 
+import random
 import time
 
 import httpx
@@ -14,6 +15,9 @@ import pytest
 from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
 from pagedserve.workers.testing import make_tiny_llama
 from faults.conftest import Group
+from script_module import load_script
+
+hostile_requests = load_script("hostile_requests")
 
 pytestmark = pytest.mark.slow
 ROLES = ("scheduler", "worker0", "detokenizer", "ingress")
@@ -33,29 +37,7 @@ def group(tmp_path_factory):
     assert served.close() == 0
 
 
-def _escaped_quotes(size: int) -> bytes:
-    """More than 64 brackets, then an unterminated string of escaped quotes: each quote once
-    started a new regex scan to the end of the body."""
-    return b'{"a": [' + b"[" * 70 + b'"' + b'\\"' * (size // 2)
-
-
-def _deep(size: int) -> bytes:
-    return b'{"messages": ' + b"[" * size + b"]" * size + b"}"
-
-
-CASES = {
-    "one long stop string": ({**CHAT, "stop": ["x" * 300_000]}, "stop"),
-    "many stop strings": ({**CHAT, "stop": [f"s{i}" for i in range(5000)]}, "stop"),
-    "escaped quotes body": (_escaped_quotes(300_000), None),
-    "deep nesting": (_deep(100_000), None),
-    "huge n": ({**CHAT, "n": 100_000}, "n"),
-    "many logit_bias entries": ({**CHAT, "logit_bias": {str(i): 1 for i in range(20_000)}},
-                                "logit_bias"),
-    "many messages": ({**CHAT, "messages": [{"role": "user", "content": "a"}] * 3000},
-                      "messages"),
-    "many tools": ({**CHAT, "tools": [{"type": "function", "function": {
-        "name": f"f{i}", "parameters": {"type": "object"}}} for i in range(5000)]}, "tools"),
-}
+CASES = hostile_requests.cases("tiny", random.Random(38))
 
 
 @pytest.mark.parametrize("case", list(CASES))
