@@ -4,6 +4,11 @@ The scheduler's manager owns and writes the segment; workers on the same host at
 and read it without copying. Unused entries are -1. The owner creates and unlinks the segment;
 an attached reader opens it read-only (``PROT_READ``) and never registers it with Python's
 resource tracker, so a reader exiting can neither unlink the owner's segment nor warn about it.
+
+The owner creates the segment exclusively with mode 0600 (`SharedMemory(create=True)`:
+O_CREAT | O_EXCL, 0600), so it never adopts one already there; a reader attaches only to a
+segment this user owns and no one else may open (`private_files.check_private`): one another
+local user planted under the name would otherwise feed the workers block ids of their choosing.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import secrets
 from multiprocessing import shared_memory
 
 import numpy as np
+
+from pagedserve.private_files import PrivateFileError, check_private
 
 try:
     import _posixshmem
@@ -49,7 +56,8 @@ class SharedBlockTables:
 
     @classmethod
     def attach(cls, name: str, max_num_seqs: int, max_blocks_per_seq: int) -> SharedBlockTables:
-        """Open an existing segment read-only; ``array`` is a non-writable view of it."""
+        """Open an existing segment of ours, private to this user, read-only (PrivateFileError
+        otherwise); ``array`` is a non-writable view of it."""
         if _posixshmem is None:  # pragma: no cover
             raise OSError("shared block tables need POSIX shared memory")
         nbytes = _nbytes(max_num_seqs, max_blocks_per_seq)
@@ -59,8 +67,13 @@ class SharedBlockTables:
             raise FileNotFoundError(
                 f"no shared block tables named {name!r}: the owner has not created it or "
                 f"has already unlinked it") from None
+        except PermissionError:
+            raise PrivateFileError(f"shared block tables /dev/shm/{name} exist and this user "
+                                   "cannot open them: another user created them; refused") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            check_private(info, f"shared block tables /dev/shm/{name}")
+            size = info.st_size
             if size < nbytes:
                 raise ValueError(
                     f"shared block tables {name!r} hold {size} bytes, fewer than the "

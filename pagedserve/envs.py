@@ -184,11 +184,19 @@ def override(**changes) -> Iterator[Environment]:
         install(before)
 
 
+# Variables that hold secrets: read once by the process a user starts, never handed to a
+# child, whose environment any process of the same user (and root) can read in /proc.
+SECRET_VARIABLES: tuple[str, ...] = (_VARIABLES["api_key"],)
+
+
 def child_environ(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment of a Python process the group starts: the parent's (or `base`) plus
-    `extra`, with PYTHONSAFEPATH=1, so that the child's working directory (a checkout's root,
-    whose `kernels/` and `pipeline/` folders would shadow installed packages) is never put on
-    its import path by `python -m`."""
+    `extra`, less SECRET_VARIABLES (a launcher's children get the key in their config file;
+    a router's engine groups need none), with PYTHONSAFEPATH=1, so that the child's working
+    directory (a checkout's root, whose `kernels/` and `pipeline/` folders would shadow
+    installed packages) is never put on its import path by `python -m`."""
     environ = dict(os.environ if base is None else base, **extra)
+    for variable in SECRET_VARIABLES:
+        environ.pop(variable, None)
     environ["PYTHONSAFEPATH"] = "1"
     return environ

@@ -16,6 +16,7 @@ from typing import NoReturn
 from pagedserve import envs
 from pagedserve.faults import FaultInjector, parse
 from pagedserve.pipeline.config import EngineConfig
+from pagedserve.private_files import PrivateFileError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,15 +32,21 @@ class RoleStart:
 
 
 def start_role(kind: str, description: str, argv: list[str] | None = None) -> RoleStart:
-    """Parse `--config-json/--rank/--incarnation`, install the config's environment settings,
-    set up logging and the parent-death signal. `kind` "worker" names the role worker<rank>."""
+    """Parse `--config-file/--rank/--incarnation`, read the config once, install its
+    environment settings, set up logging and the parent-death signal. `kind` "worker" names
+    the role worker<rank>. A config file another user owns or may read ends the process
+    (exit code 2) naming the file and the cause."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--config-json", required=True, help="EngineConfig as JSON (from the launcher)")
+    p.add_argument("--config-file", required=True,
+                   help="EngineConfig as JSON, a 0600 file of ours (from the launcher)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--incarnation", type=int, default=0,
                    help="how many times the launcher restarted this role before")
     ns = p.parse_args(argv)
-    config = EngineConfig.from_json(ns.config_json)
+    try:
+        config = EngineConfig.from_file(ns.config_file)
+    except PrivateFileError as exc:
+        p.error(str(exc))
     envs.install(config.env)
     name = f"{kind}{ns.rank}" if kind == "worker" else kind
     log = setup_logging(name, config.env.log_level)

@@ -2,8 +2,10 @@
 
 The launcher parses the command line into an `EngineConfig`, reads the environment once
 (`env`, pagedserve/envs.py), resolves the model once (`model_info`), serializes it all as JSON
-and hands it to every child process (`--config-json`), so all roles agree on one configuration
-and none reads the environment or the model files for settings of its own.
+and hands it to every child process in a 0600 file of its private ipc folder (`--config-file`:
+the config holds the API key, which a command line would show to every local user), so all
+roles agree on one configuration and none reads the environment or the model files for
+settings of its own.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 from pagedserve import envs
 from pagedserve.envs import Environment
 from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+from pagedserve.private_files import read_private, write_private
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf", "awq", "gptq")
 
@@ -184,12 +188,19 @@ class ServerArgs:
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = None
+    # The router's secret for this replica (--replica-secret-file): every route but /health
+    # needs it in REPLICA_SECRET_HEADER (pipeline/ingress/replica_secret.py); None: not behind
+    # our router.
+    replica_secret: str | None = None
     http: bool = True  # start the HTTP ingress
     max_request_bytes: int = 1 << 20
     # Chat: how tool calls are read from the output (pipeline/ingress/tool_parsers.py) and
     # where the model's thinking ends (pipeline/ingress/reasoning.py); None: not parsed.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+
+
+REPLICA_SECRET_HEADER = "X-Pagedserve-Replica-Secret"
 
 
 @dataclass(slots=True)
@@ -223,6 +234,9 @@ class IpcArgs:
     # owner can open it); the launcher names a fresh one for every start of the worker group
     dist_init_addr: str = ""
     owns_dir: bool = False    # the launcher created ipc_dir, so it removes it at the end
+    # Drawn once by the launcher and part of every shared-memory name, so that no other local
+    # user can derive a name and plant a segment for a worker to attach to.
+    shm_nonce: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def fill_defaults(self) -> None:
         if not self.ipc_dir:
@@ -245,6 +259,10 @@ class IpcArgs:
         path = os.path.abspath(self.ipc_dir)
         return f"{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
 
+    def config_file(self, role: str, incarnation: int) -> str:
+        """The config a role's `incarnation`-th start reads (`--config-file`)."""
+        return os.path.join(self.ipc_dir, f"config-{role}-{incarnation}.json")
+
     def shm_segments(self, tensor_parallel_size: int) -> list[str]:
         """Every shared-memory segment the group creates: the scheduler's block tables and each
         rank's host swap pool."""
@@ -253,10 +271,10 @@ class IpcArgs:
 
     @property
     def block_tables_segment(self) -> str:
-        return f"{self.tag}_bt"
+        return f"{self.tag}_{self.shm_nonce}_bt"
 
     def swap_segment(self, rank: int) -> str:
-        return f"{self.tag}_swap{rank}"
+        return f"{self.tag}_{self.shm_nonce}_swap{rank}"
 
     def rendezvous(self, start: int) -> str:
         """The file:// store of the worker group's `start`-th start."""
@@ -344,6 +362,15 @@ class EngineConfig:
     def from_json(cls, text: str) -> "EngineConfig":
         raw = json.loads(text)
         return cls(**{f.name: _SECTIONS[f.name](**raw[f.name]) for f in fields(cls)})
+
+    def to_file(self, path: str) -> None:
+        """Write a new file, mode 0600, that only this user can read (it holds the API key)."""
+        write_private(path, self.to_json())
+
+    @classmethod
+    def from_file(cls, path: str) -> "EngineConfig":
+        """PrivateFileError unless the file is ours and private."""
+        return cls.from_json(read_private(path, "--config-file"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -449,7 +476,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.server.host)
     p.add_argument("--port", type=int, default=d.server.port)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' (default: $PAGEDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer <key>' (default: $PAGEDSERVE_API_KEY); "
+                        "a command line shows the key to every local user: prefer --api-key-file")
+    p.add_argument("--api-key-file", default=None,
+                   help="a file of ours, mode 0600, holding the API key")
+    p.add_argument("--replica-secret-file", default=None, help=argparse.SUPPRESS)  # the router's
     _bool_flag(p, "http", True, "start the OpenAI-compatible HTTP ingress")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="read tool calls from chat output in this format (tool_choice auto)")
@@ -466,7 +497,21 @@ def config_from_args(ns: argparse.Namespace, env: Environment | None = None) -> 
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELD_OWNER}
     cfg = EngineConfig.from_kwargs(**kwargs)
     cfg.env = envs.from_environ() if env is None else env
+    if getattr(ns, "api_key_file", None):
+        if cfg.server.api_key is not None:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        cfg.server.api_key = _one_line(ns.api_key_file, "--api-key-file")
+    if getattr(ns, "replica_secret_file", None):
+        cfg.server.replica_secret = _one_line(ns.replica_secret_file, "--replica-secret-file")
     if cfg.server.api_key is None:
         cfg.server.api_key = cfg.env.api_key
     cfg.ipc.fill_defaults()
     return cfg
+
+
+def _one_line(path: str, flag: str) -> str:
+    """A secret file's text without surrounding whitespace; refused when empty."""
+    secret = read_private(path, flag).strip()
+    if not secret:
+        raise ValueError(f"{flag} {path} is empty")
+    return secret

@@ -50,6 +50,7 @@ class Child:
     incarnation: int = -1
     last_cause: str = ""
     last_beat: float = 0.0
+    config_file: str = ""     # what its latest start reads; removed at its next start and at exit
 
     @property
     def name(self) -> str:
@@ -128,8 +129,9 @@ class Supervisor:
     def start(self, child: Child) -> None:
         child.incarnation += 1
         child.ready, child.last_cause, child.last_beat = False, "", time.monotonic()
-        cmd = [sys.executable, "-m", child.module, "--config-json", self.config.to_json(),
+        cmd = [sys.executable, "-m", child.module, "--config-file", self._write_config(child),
                "--rank", str(child.rank), "--incarnation", str(child.incarnation)]
+        # Without the secrets (the API key): the config file carries what a child needs.
         env = envs.child_environ(**{envs.ROLE_VARIABLE: child.name})
         if child.role == "worker" and self.local_rendezvous:
             for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -144,6 +146,17 @@ class Supervisor:
         child.pidfd = os.pidfd_open(child.proc.pid)
         log.info("%s %s pid=%d", "restarted" if child.incarnation else "started", child.name,
                  child.proc.pid)
+
+    def _write_config(self, child: Child) -> str:
+        """A fresh 0600 file in the private ipc folder for this start of `child` (never argv:
+        the config holds the API key). One per start: a restarted worker group reads the new
+        rendezvous address."""
+        remove_file(child.config_file, log)
+        path = self.config.ipc.config_file(child.name, child.incarnation)
+        remove_file(path, log)  # left by a killed launcher in a given --ipc-dir (ours, 0700)
+        self.config.to_file(path)
+        child.config_file = path
+        return path
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -354,8 +367,8 @@ class Supervisor:
                 child.pidfd = -1
 
     def _cleanup(self) -> None:
-        """Remove exactly what this group created: its sockets, rendezvous files and
-        shared-memory segments (the scheduler and workers unlink theirs unless they were
+        """Remove exactly what this group created: its sockets, config files, rendezvous files
+        and shared-memory segments (the scheduler and workers unlink theirs unless they were
         killed), and the ipc folder if the launcher made it."""
         for sock in (self.control, self.to_scheduler, self.to_detok):
             sock.close(0)
@@ -363,6 +376,9 @@ class Supervisor:
         ipc = self.config.ipc
         for name in SOCKET_NAMES:
             remove_file(ipc.socket_path(name), log)
+        for child in self.children:
+            if child.config_file:
+                remove_file(child.config_file, log)
         if self.local_rendezvous:
             for start in range(self.worker_starts + 1):
                 remove_file(ipc.rendezvous(start).removeprefix("file://"), log)

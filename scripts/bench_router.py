@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,22 +77,39 @@ class Server:
         self.proc.wait(300)
         shutil.rmtree(self.tmp, ignore_errors=True)  # empty unless a group left something
 
-    def engine_urls(self) -> list[str]:
-        """The replicas' URLs (the router's router_replica_info), or this server itself."""
-        urls = [s.labels["url"] for f in _families(f"{self.base}/metrics") for s in f.samples
-                if s.name == "router_replica_info"]
-        return urls or [self.base]
+    def engines(self) -> list[tuple[str, dict[str, str]]]:
+        """(URL, headers) of each replica the router started, or this server itself. The router
+        shows no replica URL, and a replica answers /metrics only with the secret the router
+        gave it: both are read from its groups' launchers' command lines and the 0600 secret
+        files in their private folders (ours: we started the router)."""
+        from pagedserve.pipeline.config import REPLICA_SECRET_HEADER
+        from pagedserve.private_files import read_private
+        found = []
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if "pagedserve.pipeline.launch" not in cmd or "--replica-secret-file" not in cmd:
+                continue
+            secret = read_private(cmd[cmd.index("--replica-secret-file") + 1],
+                                  "--replica-secret-file").strip()
+            found.append((f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}",
+                          {REPLICA_SECRET_HEADER: secret}))
+        return found or [(self.base, {})]
 
 
-def _families(url: str):
-    return list(text_string_to_metric_families(httpx.get(url, timeout=10).text))
+def _families(url: str, headers: dict[str, str] | None = None):
+    resp = httpx.get(url, headers=headers, timeout=10)
+    resp.raise_for_status()  # a replica without its secret answers 401: never count that as 0
+    return list(text_string_to_metric_families(resp.text))
 
 
-def prefix_counts(urls: list[str]) -> tuple[float, float]:
+def prefix_counts(engines: list[tuple[str, dict[str, str]]]) -> tuple[float, float]:
     """(hits, queries) of the prefix cache, summed over the engines."""
     hits = queries = 0.0
-    for url in urls:
-        for family in _families(f"{url}/metrics"):
+    for url, headers in engines:
+        for family in _families(f"{url}/metrics", headers):
             for s in family.samples:
                 if s.name == "vllm:prefix_cache_hits_total":
                     hits += s.value
@@ -177,10 +195,10 @@ def affinity(args, model: str) -> dict:
     for routing in args.policies.split(","):
         with Server(model, "--data-parallel-size", "2", "--routing", routing,
                     *args.router_args.split()) as server:
-            urls = server.engine_urls()
-            hits0, queries0 = prefix_counts(urls)
+            engines = server.engines()
+            hits0, queries0 = prefix_counts(engines)
             ttft = asyncio.run(_replay(server.base, model, convs, args.max_output_tokens_turn))
-            hits, queries = prefix_counts(urls)
+            hits, queries = prefix_counts(engines)
         later = [t for turn, ts in ttft.items() if turn > 0 for t in ts]
         out[routing] = {
             "prefix_hit_rate": round((hits - hits0) / max(1.0, queries - queries0), 4),

@@ -5,9 +5,12 @@ head_dim]`, index 0 = K, 1 = V; the host pool has the same layout with its own b
 """
 from __future__ import annotations
 
+import mmap
 import os
 
 import torch
+
+from pagedserve.private_files import PRIVATE_MODE, PrivateFileError, check_private
 
 from pagedserve.workers.loader import ModelConfig
 from pagedserve.workers.models.layers import partition_heads
@@ -105,16 +108,44 @@ _SEGMENTS: list = []  # keep mappings alive for the process's lifetime
 
 
 def _shared_buffer(name: str, nbytes: int) -> memoryview:
-    from multiprocessing import resource_tracker, shared_memory
+    """The first start of a rank creates the segment (exclusively, mode 0600); a restarted
+    worker attaches to the one its predecessor left, but only after checking it is ours and
+    private: a segment another user planted under the name would let them read the cache.
+    Not registered with Python's resource tracker, which would unlink it when this process
+    exits (even by a crash): the pool must outlive a worker, so the launcher removes it."""
+    import _posixshmem
+    path = "/" + name
+    created = True
     try:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        fd = _posixshmem.shm_open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, PRIVATE_MODE)
     except FileExistsError:
-        shm = shared_memory.SharedMemory(name=name)
-        if shm.size < nbytes:
-            raise ValueError(f"shared swap pool {name!r} has {shm.size} bytes, need {nbytes}: "
-                             "a segment of another configuration is in the way") from None
-    # Python would unlink the segment when this process exits (even by a crash): the pool must
-    # outlive a worker, so ownership goes to the launcher.
-    resource_tracker.unregister(shm._name, "shared_memory")
-    _SEGMENTS.append(shm)
-    return shm.buf
+        created = False
+        fd = _open_existing(name)
+    try:
+        if created:
+            os.ftruncate(fd, nbytes)
+        else:
+            info = os.fstat(fd)
+            check_private(info, f"shared swap pool /dev/shm/{name}")
+            size = info.st_size
+            if size < nbytes:
+                raise ValueError(f"shared swap pool {name!r} has {size} bytes, need {nbytes}: "
+                                 "a segment of another configuration is in the way")
+        mapping = mmap.mmap(fd, nbytes)
+    except BaseException:
+        if created:
+            _posixshmem.shm_unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    _SEGMENTS.append(mapping)
+    return memoryview(mapping)
+
+
+def _open_existing(name: str) -> int:
+    import _posixshmem
+    try:
+        return _posixshmem.shm_open("/" + name, os.O_RDWR, 0)
+    except PermissionError:
+        raise PrivateFileError(f"shared swap pool /dev/shm/{name} exists and this user cannot "
+                               "open it: another user created it; refused") from None

@@ -1,4 +1,4 @@
-"""Detokenizer role: `python -m pagedserve.pipeline.detokenizer.process --config-json ...`.
+"""Detokenizer role: `python -m pagedserve.pipeline.detokenizer.process --config-file ...`.
 
 Sockets only: a PULL for the scheduler's messages, a ROUTER to the clients (deltas out, hellos
 in), a PUSH to the scheduler's events (StopMatched, Abort, UnknownMessage) and one to the

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP ingress: `python -m pagedserve.pipeline.ingress --config-json ...`.
+"""The OpenAI-compatible HTTP ingress: `python -m pagedserve.pipeline.ingress --config-file ...`.
 
 FastAPI on uvicorn (uvloop); a client of the engine through AsyncEngineClient. See app.py for
 the routes, completions.py / chat.py for the two generation endpoints.

@@ -25,6 +25,7 @@ from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSE
                                                  generation_responses, install_openapi,
                                                  request_body)
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.pipeline.ingress.replica_secret import ReplicaSecretCheck
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -40,13 +41,18 @@ def _version() -> str:
 
 
 def build_app(ctx: IngressContext,
-              lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None) -> FastAPI:
+              lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None,
+              replica_secret: str | None = None) -> FastAPI:
+    """`replica_secret`: the router's, when this engine is one of its replicas (every route
+    but /health then needs it)."""
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan,
                   description="An OpenAI-compatible LLM server (vLLM's sampling extras).",
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     _install_error_handlers(app)
-    app.add_middleware(HeaderLimits)
+    if replica_secret is not None:
+        app.add_middleware(ReplicaSecretCheck, secret=replica_secret)
+    app.add_middleware(HeaderLimits)  # outermost: bounds the headers before anything reads them
     install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None)
     v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 

@@ -1,4 +1,4 @@
-"""Ingress role: `python -m pagedserve.pipeline.ingress.process --config-json <json>`.
+"""Ingress role: `python -m pagedserve.pipeline.ingress.process --config-file <path>`.
 
 Loads the tokenizer and model limits, serves the app with uvicorn on uvloop, tells the launcher
 it is ready once the port is listening, and on SIGTERM drains: stop accepting connections,
@@ -76,7 +76,7 @@ def build_server(cfg, faults=None) -> GracefulServer:
         finally:
             await engine.close()
 
-    app = build_app(ctx, lifespan=lifespan)
+    app = build_app(ctx, lifespan=lifespan, replica_secret=cfg.server.replica_secret)
     if faults:  # PAGEDSERVE_FAULT for tests: each HTTP request is a "message" of this role
         @app.middleware("http")
         async def inject_faults(request, call_next):

@@ -1,5 +1,10 @@
 """The router's HTTP face: OpenAI's routes (the engines' own bodies and errors pass through),
-API keys, /health, /metrics."""
+API keys, /health, /metrics.
+
+A body is read as the engines' ingress reads it (pipeline/ingress/validation.py): at most
+MAX_BODY_BYTES (413, refused by Content-Length before reading when it says so), all of it
+within limits.BODY_TIMEOUT_S (408: a client trickling a body would hold the connection), JSON
+of bounded nesting; headers and URL are bounded (431/414) before any route runs."""
 from __future__ import annotations
 
 import json
@@ -12,18 +17,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from pagedserve.pipeline.config import ServerArgs
+from pagedserve.pipeline.ingress.errors import APIError
+from pagedserve.pipeline.ingress.limits import HeaderLimits
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
+from pagedserve.pipeline.ingress.validation import read_json_object
 from pagedserve.pipeline.router.models import ModelUnavailable
 from pagedserve.pipeline.router.ratelimit import retry_after_header
 from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
 from pagedserve.pipeline.router.upstream import DONE, ReplicaRefused
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MAX_BODY_BYTES = 64 << 20
+# The ingress's limit (ServerArgs.max_request_bytes): a larger body would only be refused by
+# the replica, after the router had held all of it.
+MAX_BODY_BYTES = ServerArgs().max_request_bytes
 
 
 def _error(exc: RouterError) -> JSONResponse:
-    headers = {} if exc.retry_after is None else {"Retry-After": retry_after_header(exc.retry_after)}
+    headers = dict(exc.headers)
+    if exc.retry_after is not None:
+        headers["Retry-After"] = retry_after_header(exc.retry_after)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -58,11 +71,12 @@ async def _generate(service: RouterService, keys: ApiKeys, kind: str,
                     request: Request) -> Response:
     try:
         api_key = keys.caller(request)
-        body = await _json_body(request)
+        body = await _json_body(request, service)
         routed = service.route(kind, body, api_key)
         try:
             await service.models.acquire(routed.model)
         except ModelUnavailable as exc:
+            service.unserved(routed)
             service.metrics.rejected.labels("model_unavailable").inc()
             raise RouterError(503, str(exc), code="model_unavailable",
                               retry_after=exc.retry_after) from None
@@ -83,6 +97,7 @@ def build_router_app(service: RouterService, api_keys: list[str],
                      lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None
                      ) -> FastAPI:
     app = FastAPI(title="pagedserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(HeaderLimits)
     keys = ApiKeys(api_keys, service)
 
     @app.post("/v1/chat/completions")
@@ -120,18 +135,13 @@ def build_router_app(service: RouterService, api_keys: list[str],
     return app
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RouterError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                          code="too_large")
+async def _json_body(request: Request, service: RouterService) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise RouterError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise RouterError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
+        return await read_json_object(request, MAX_BODY_BYTES)
+    except APIError as exc:
+        service.metrics.rejected.labels(exc.code or "invalid_body").inc()
+        raise RouterError(exc.status, exc.message, code=exc.code or "invalid_body",
+                          headers=exc.headers) from None
 
 
 async def _streamed(service: RouterService, routed: Routed) -> Response:

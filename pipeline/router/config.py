@@ -3,6 +3,14 @@
 
 Router flags are parsed here; every other flag is the engine groups' (passed to each
 launcher as it is: `--dtype`, `--kv-cache-memory` ...).
+
+API keys come from `--api-key-file` (a file of ours, mode 0600, one `KEY[:RPM[:TPM[:PRIORITY]]]`
+a line), `--api-key` (which shows the key to every local user in the process list), or else
+$PAGEDSERVE_API_KEY (one key, no limits). No error message repeats a key.
+
+Priority: the engines run lower `priority` values first. A request may ask for no lower value
+than its key's PRIORITY (default 0: no client jumps ahead of requests that name none); lower
+values are raised to it.
 """
 from __future__ import annotations
 
@@ -11,8 +19,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from pagedserve import envs
 from pagedserve.pipeline.router.groups import GroupSpec
+from pagedserve.pipeline.router.priority import DEFAULT_PRIORITY_FLOOR
 from pagedserve.pipeline.router.ratelimit import KeyLimit
+from pagedserve.private_files import read_private
 
 _ROUTER_FLAGS = ("--data-parallel-size", "--engine-url", "--models-file", "--max-loaded-models",
                  "--preload")
@@ -63,18 +74,51 @@ class RouterConfig:
             raise ValueError(f"--routing must be affinity or round-robin, got {self.routing!r}")
 
 
-def parse_api_key(text: str) -> tuple[str, KeyLimit]:
-    """`KEY[:RPM[:TPM]]`: a key and its requests and tokens per minute (empty: unlimited)."""
-    key, *limits = text.split(":")
-    if not key or len(limits) > 2:
-        raise ValueError(f"--api-key {text!r}: expected KEY, KEY:RPM or KEY:RPM:TPM")
+def parse_api_key(text: str, source: str = "--api-key") -> tuple[str, KeyLimit]:
+    """`KEY[:RPM[:TPM[:PRIORITY]]]`: a key, its requests and tokens per minute (empty:
+    unlimited) and the most urgent priority it may ask for (empty: 0; priority.py).
+    An error names `source` and the limits, never the key (errors are logged)."""
+    key, *limits = text.strip().split(":")
+    if not key or len(limits) > 3:
+        raise ValueError(f"{source}: expected KEY, KEY:RPM, KEY:RPM:TPM or KEY:RPM:TPM:PRIORITY")
+    rates, floor = limits[:2], limits[2:]
     try:
-        rates = [float(x) if x else None for x in limits] + [None] * (2 - len(limits))
+        rates = [float(x) if x else None for x in rates] + [None] * (2 - len(rates))
     except ValueError:
-        raise ValueError(f"--api-key {text!r}: the limits must be numbers per minute") from None
+        raise ValueError(f"{source}: the limits {':'.join(limits[:2])!r} must be numbers per "
+                         "minute") from None
     if any(r is not None and r <= 0 for r in rates):
-        raise ValueError(f"--api-key {text!r}: a limit must be positive")
-    return key, KeyLimit(rates[0], rates[1])
+        raise ValueError(f"{source}: a limit must be positive, got {':'.join(limits[:2])!r}")
+    try:
+        priority_floor = int(floor[0]) if floor and floor[0] else DEFAULT_PRIORITY_FLOOR
+    except ValueError:
+        raise ValueError(f"{source}: the priority floor {floor[0]!r} must be an integer "
+                         "(lower runs first)") from None
+    return key, KeyLimit(rates[0], rates[1], priority_floor)
+
+
+def read_api_key_file(path: str) -> dict[str, KeyLimit]:
+    """One `KEY[:RPM[:TPM]]` a line (blank lines and `#` comments skipped), from a file of ours
+    that no one else may read; ValueError naming the file and line otherwise."""
+    keys = {}
+    for number, line in enumerate(read_private(path, "--api-key-file").splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, limit = parse_api_key(line, f"--api-key-file {path} line {number}")
+            keys[key] = limit
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys
+
+
+def api_keys(flags: list[str], key_file: str | None) -> dict[str, KeyLimit]:
+    """The file's keys and the flags' (a key given twice keeps its last limits); none given:
+    $PAGEDSERVE_API_KEY without limits, as an engine takes it."""
+    keys = read_api_key_file(key_file) if key_file else {}
+    keys.update(parse_api_key(k) for k in flags)
+    default = envs.current().api_key
+    if not keys and default:
+        keys[default] = KeyLimit(None, None)
+    return keys
 
 
 def parse_model(text: str, engine_args: tuple[str, ...]) -> GroupSpec:
@@ -111,7 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--max-loaded-models", type=int, default=None)
     p.add_argument("--preload", action="append", default=[])
-    p.add_argument("--api-key", action="append", default=[], help="KEY[:RPM[:TPM]]; repeat")
+    p.add_argument("--api-key-file", default=None,
+                   help="API keys, one KEY[:RPM[:TPM[:PRIORITY]]] a line, in a file of ours with "
+                        "mode 0600 (default: $PAGEDSERVE_API_KEY, unlimited). PRIORITY: the "
+                        "lowest (most urgent) priority the key's requests may ask for, lower "
+                        "ones are raised to it (default 0)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="KEY[:RPM[:TPM[:PRIORITY]]]; repeat. Shows the key to every local user "
+                        "(ps): prefer --api-key-file")
     p.add_argument("--rate-limit-burst", type=float, default=60.0,
                    help="seconds of a key's rate it may use at once")
     p.add_argument("--host", default="0.0.0.0")
@@ -155,7 +206,7 @@ def config_from_argv(argv: list[str]) -> tuple[RouterConfig, bool]:
         if spec.model in models:
             raise ValueError(f"model {spec.model!r} is given twice; name them NAME=SOURCE")
         models[spec.model] = spec
-    keys = dict(parse_api_key(k) for k in ns.api_key)
+    keys = api_keys(ns.api_key, ns.api_key_file)
     cfg = RouterConfig(
         models=models, engine_urls=list(ns.engine_url), data_parallel_size=ns.data_parallel_size,
         max_loaded_models=ns.max_loaded_models, preload=list(ns.preload), api_keys=keys,

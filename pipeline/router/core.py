@@ -7,7 +7,7 @@ the model's healthy replicas by prefix affinity with a load bound (`affinity.cho
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.pipeline.router.affinity import Choice, HashRing, choose
 
@@ -22,6 +22,8 @@ class Replica:
     outstanding_requests: int = 0
     max_model_len: int = 0       # from its /v1/models (0: not known yet)
     upstream_model: str = ""     # the model name the engine serves under
+    # sent with every request: a local group's secret (LocalGroup.headers); none to remotes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,12 +5,17 @@ A group the router stops drains and cleans up after itself (the launcher removes
 shared memory and ipc folder). A group that died (killed from outside) could not: the router
 ends what is left of it (processes whose command line names its private folder) and removes
 its shared-memory segments and folders, so nothing leaks either way.
+
+Each start of a group draws a secret (`secrets.token_urlsafe`) that the group's ingress asks
+of every request but /health (pipeline/ingress/replica_secret.py): it travels in a 0600 file
+in the group's private folder, never on a command line, and the router sends it in a header.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -24,7 +29,8 @@ import httpx
 
 from pagedserve import envs
 from pagedserve.lifecycle import remove_file
-from pagedserve.pipeline.config import IpcArgs
+from pagedserve.pipeline.config import REPLICA_SECRET_HEADER, IpcArgs
+from pagedserve.private_files import write_private
 
 log = logging.getLogger("pagedserve.router")
 
@@ -52,6 +58,7 @@ class LocalGroup:
     parent_dir: str = ""
     starts: int = 0
     started_at: float = 0.0
+    secret: str = ""             # this start's; the replica refuses requests without it
     _dirs: list[str] = field(default_factory=list)
 
     @property
@@ -61,6 +68,11 @@ class LocalGroup:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to this group carries."""
+        return {REPLICA_SECRET_HEADER: self.secret}
 
     @property
     def ipc_dir(self) -> str:
@@ -75,14 +87,18 @@ class LocalGroup:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> None:
-        """Start the launcher (a fresh port and ipc folder each time)."""
-        self.parent_dir = tempfile.mkdtemp(prefix="pagedserve-router-")
+        """Start the launcher (a fresh port, ipc folder and secret each time)."""
+        # mode 0700; the index in its name tells an operator (and the tests) which replica it is
+        self.parent_dir = tempfile.mkdtemp(prefix=f"pagedserve-router-{self.index}-")
         self._dirs.append(self.parent_dir)
         self.port = free_port(self.host)
+        self.secret = secrets.token_urlsafe(32)
+        secret_file = os.path.join(self.parent_dir, "replica-secret")
+        write_private(secret_file, self.secret)
         cmd = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model", self.spec.source,
                "--served-model-name", self.spec.model, "--host", self.host,
                "--port", str(self.port), "--ipc-dir", self.ipc_dir, "--die-with-parent",
-               *self.spec.engine_args]
+               "--replica-secret-file", secret_file, *self.spec.engine_args]
         # Its own session: a signal meant for the router does not reach the group directly.
         self.proc = subprocess.Popen(cmd, env=envs.child_environ(), start_new_session=True)
         self.starts += 1
@@ -100,7 +116,8 @@ class LocalGroup:
                                    "was ready (its log is above)")
             try:
                 if (await client.get(f"{self.url}/health", timeout=2)).status_code == 200:
-                    models = (await client.get(f"{self.url}/v1/models", timeout=5)).json()
+                    models = (await client.get(f"{self.url}/v1/models", headers=self.headers,
+                                               timeout=5)).json()
                     return models["data"][0]
             except (httpx.HTTPError, KeyError, IndexError, ValueError):
                 pass
@@ -149,7 +166,7 @@ def _shm_names() -> list[str]:
 
 def _kill_processes_naming(ipc_dir: str) -> None:
     """SIGKILL the processes whose command line holds `ipc_dir`: the roles of one group of
-    ours (its private folder is in every role's --config-json)."""
+    ours (its private folder is in every role's --config-file)."""
     me = os.getpid()
     needle = ipc_dir.encode()
     for entry in os.listdir("/proc"):

@@ -1,5 +1,7 @@
 """The router's Prometheus metrics (`router_*`), in a registry of its own; each engine keeps
-its `vllm:*` metrics on its own endpoint."""
+its `vllm:*` metrics on its own endpoint. /metrics is open: no label holds an API key, and a
+local group is labelled by its name (`model/index`), not its URL (its port is for the router
+only); a remote engine keeps the URL the operator gave (--engine-url) as its name."""
 from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
@@ -22,8 +24,6 @@ class RouterMetrics:
                                "(streams resumed where they were).", ["model"], registry=r)
         self.rejected = Counter("router_rejected", "Requests refused by the router.",
                                 ["reason"], registry=r)
-        self.replica_info = Gauge("router_replica_info", "1 per replica: its engine's URL.",
-                                  ["model", "replica", "url"], registry=r)
         self.replica_up = Gauge("router_replica_up", "1 while the replica answers its health "
                                 "check.", ["model", "replica"], registry=r)
         self.outstanding = Gauge("router_replica_outstanding_tokens", "Prompt and generation "
@@ -42,11 +42,10 @@ class RouterMetrics:
                                     buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
 
     def render(self, core: RouterCore) -> bytes:
-        for gauge in (self.replica_info, self.replica_up, self.outstanding):
+        for gauge in (self.replica_up, self.outstanding):
             gauge.clear()  # replicas come and go (evicted models, restarted groups)
         for replica in core.replicas.values():
             labels = (replica.model, replica.replica_id)
-            self.replica_info.labels(*labels, replica.url).set(1)
             self.replica_up.labels(*labels).set(1 if replica.healthy else 0)
             self.outstanding.labels(*labels).set(replica.outstanding_tokens)
         return generate_latest(self.registry)

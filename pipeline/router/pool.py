@@ -51,7 +51,7 @@ class ReplicaPool:
         for group in groups:
             group.start()
             self.groups[group.name] = group
-            self.core.add(Replica(group.name, spec.model, group.url))
+            self.core.add(Replica(group.name, spec.model, group.url, headers=group.headers))
         try:
             await asyncio.gather(*(self._until_ready(g) for g in groups))
         except BaseException:
@@ -61,7 +61,7 @@ class ReplicaPool:
     async def _until_ready(self, group: LocalGroup) -> None:
         info = await group.wait_ready(self.http, self.ready_timeout)
         replica = self.core.replicas[group.name]
-        replica.url = group.url
+        replica.url, replica.headers = group.url, group.headers
         replica.max_model_len = int(info.get("max_model_len") or 0)
         replica.upstream_model = info.get("id", group.spec.model)
         self._failures[group.name] = 0
@@ -102,7 +102,8 @@ class ReplicaPool:
         try:
             group.reap()
             group.start()
-            self.core.replicas[group.name].url = group.url
+            replica = self.core.replicas[group.name]
+            replica.url, replica.headers = group.url, group.headers
             await self._until_ready(group)
         except Exception as exc:  # the next health round tries again
             log.error("restarting engine group %s failed: %s", group.name, exc)

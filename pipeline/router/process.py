@@ -15,6 +15,7 @@ import uvicorn
 
 from pagedserve.lifecycle import setup_logging
 from pagedserve.pipeline.graceful_server import GracefulServer
+from pagedserve.pipeline.ingress.limits import uvicorn_settings
 from pagedserve.pipeline.router.app import build_router_app
 from pagedserve.pipeline.router.config import RouterConfig, config_from_argv
 from pagedserve.pipeline.router.core import RouterCore, RoutingPolicy
@@ -59,7 +60,8 @@ def build(cfg: RouterConfig):
                           burst_seconds=cfg.burst_seconds)
     settings = ProxySettings(block_size=cfg.block_size, affinity_blocks=cfg.affinity_blocks,
                              stall_timeout=cfg.stall_timeout, replica_wait=cfg.replica_wait)
-    service = RouterService(core, pool, models, limiter, metrics, http, settings)
+    service = RouterService(core, pool, models, limiter, metrics, http, settings,
+                            priority_floors={k: v.priority_floor for k, v in cfg.api_keys.items()})
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = GracefulServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop",
                                            access_log=False, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=30),
+                                           lifespan="on", timeout_graceful_shutdown=30,
+                                           **uvicorn_settings()),
                             log, "stopping the engine groups")
     log.info("router pid starting on %s:%d", cfg.host, cfg.port)
     server.run()

@@ -36,17 +36,25 @@ def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
     return prompt if isinstance(prompt, str) else ""
 
 
-def estimate_tokens(kind: str, body: dict[str, Any]) -> int:
-    """Prompt tokens (from its length) plus the most it may generate, for load and limits."""
+def estimate_prompt_tokens(kind: str, body: dict[str, Any]) -> int:
+    """The prompt's tokens, from its length (token ids: their count)."""
     if kind == "chat":
-        prompt = sum(len(_content(m)) // CHARS_PER_TOKEN + 4 for m in body.get("messages") or ())
-    else:
-        p = body.get("prompt")
-        items = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
-        prompt = sum(len(x) if isinstance(x, list) else len(x or "") // CHARS_PER_TOKEN
-                     for x in items if isinstance(x, (str, list)))
+        return sum(len(_content(m)) // CHARS_PER_TOKEN + 4 for m in body.get("messages") or ())
+    p = body.get("prompt")
+    items = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    return sum(len(x) if isinstance(x, list) else len(x or "") // CHARS_PER_TOKEN
+               for x in items if isinstance(x, (str, list)))
+
+
+def estimate_generation(body: dict[str, Any]) -> int:
+    """The most the request may generate: max_tokens per sample, or a reservation of
+    DEFAULT_GENERATION_ESTIMATE when it names none (the charge is settled with what it used)."""
     most = body.get("max_completion_tokens") or body.get("max_tokens")
     n = body.get("n") or 1
-    generated = (most if isinstance(most, int) else DEFAULT_GENERATION_ESTIMATE) * \
+    return (most if isinstance(most, int) else DEFAULT_GENERATION_ESTIMATE) * \
         (n if isinstance(n, int) else 1)
-    return max(1, prompt + generated)
+
+
+def estimate_tokens(kind: str, body: dict[str, Any]) -> int:
+    """Prompt tokens (from its length) plus the most it may generate, for load and limits."""
+    return max(1, estimate_prompt_tokens(kind, body) + estimate_generation(body))

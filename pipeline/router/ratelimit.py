@@ -31,6 +31,10 @@ class TokenBucket:
         need = min(amount, self.capacity) - self.level
         return 0.0 if need <= 0 else need / self.rate
 
+    def available(self, now: float) -> float:
+        self._refill(now)
+        return self.level
+
     def take(self, amount: float, now: float) -> None:
         """Take `amount` (the level may go below zero: the debt delays later requests)."""
         self._refill(now)
@@ -44,6 +48,7 @@ class TokenBucket:
 class KeyLimit:
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
+    priority_floor: int = 0  # the most urgent priority the key may ask for (priority.py)
 
 
 @dataclass(slots=True)
@@ -87,6 +92,13 @@ class RateLimiter:
         if state.tokens:
             state.tokens.take(tokens, now)
         return 0.0
+
+    def tokens_left(self, key: str, now: float) -> float | None:
+        """What the key's token bucket holds now (below 0: a debt); None without a limit."""
+        state = self._buckets(key, now)
+        if state is None or state.tokens is None:
+            return None
+        return state.tokens.available(now)
 
     def settle(self, key: str, charged: int, used: int, now: float) -> None:
         """Correct a request's token charge once its real count is known."""

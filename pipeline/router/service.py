@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,11 @@ from pagedserve.pipeline.router.core import NoReplica, Replica, RouterCore
 from pagedserve.pipeline.router.metrics import RouterMetrics
 from pagedserve.pipeline.router.models import ModelManager
 from pagedserve.pipeline.router.pool import ReplicaPool
-from pagedserve.pipeline.router.prompts import affinity_prompt, estimate_tokens
+from pagedserve.pipeline.router.priority import DEFAULT_PRIORITY_FLOOR, clamp_priority
+from pagedserve.pipeline.router.prompts import (affinity_prompt, estimate_generation,
+                                                estimate_prompt_tokens)
 from pagedserve.pipeline.router.ratelimit import RateLimiter
-from pagedserve.pipeline.router.resume import ResumableStream
+from pagedserve.pipeline.router.resume import ReplayDiverged, ResumableStream
 from pagedserve.pipeline.router.upstream import DONE, ReplicaBroken, ReplicaRefused, stream_events
 
 log = logging.getLogger("pagedserve.router")
@@ -42,9 +45,11 @@ class ProxySettings:
 class RouterError(Exception):
     """An answer of the router's own: an OpenAI-shaped error with a status."""
 
-    def __init__(self, status: int, message: str, *, code: str, retry_after: float | None = None):
+    def __init__(self, status: int, message: str, *, code: str, retry_after: float | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+        self.headers = headers or {}  # e.g. Connection: close after a body that came too slowly
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -59,21 +64,27 @@ class Routed:
     body: dict[str, Any]
     model: str
     key: bytes
-    cost: int
+    cost: int            # estimated tokens: the replica's load while it runs
     api_key: str
+    prompt_estimate: int
+    charged: int         # tokens the key is charged for it now (settled as it streams and ends)
 
 
 class RouterService:
     def __init__(self, core: RouterCore, pool: ReplicaPool, models: ModelManager,
                  limiter: RateLimiter, metrics: RouterMetrics, http: httpx.AsyncClient,
                  settings: ProxySettings = ProxySettings(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 priority_floors: dict[str, int] | None = None):
         self.core, self.pool, self.models, self.limiter = core, pool, models, limiter
         self.metrics, self.http, self.settings, self.clock = metrics, http, settings, clock
+        self.priority_floors = priority_floors or {}  # by API key (priority.py)
 
     # -- admission -----------------------------------------------------------------------------
     def route(self, kind: str, body: dict[str, Any], api_key: str) -> Routed:
-        """Checks the model and the key's limits (RouterError 404/429)."""
+        """Checks the model, the priority and the key's limits (RouterError 404/400/429);
+        charges the key the prompt's estimate and the most it may generate (a reservation
+        when it names no max_tokens), settled as the answer comes (`_settle`)."""
         model = body.get("model")
         served = self.models.slots.models
         if model is None and len(served) == 1:
@@ -82,7 +93,12 @@ class RouterService:
             self.metrics.rejected.labels("unknown_model").inc()
             raise RouterError(404, f"The model `{model}` does not exist (served: "
                               f"{', '.join(served)}).", code="model_not_found")
-        cost = estimate_tokens(kind, body)
+        try:
+            body = clamp_priority(body, self.priority_floors.get(api_key, DEFAULT_PRIORITY_FLOOR))
+        except ValueError as exc:
+            raise RouterError(400, str(exc), code="invalid_priority") from None
+        prompt = estimate_prompt_tokens(kind, body)
+        cost = max(1, prompt + estimate_generation(body))
         wait = self.limiter.admit(api_key, cost, self.clock())
         if wait > 0:
             self.metrics.rejected.labels("rate_limited").inc()
@@ -90,7 +106,7 @@ class RouterService:
                               code="rate_limit_exceeded", retry_after=wait)
         key = prefix_key(affinity_prompt(kind, body), block_size=self.settings.block_size,
                          num_blocks=self.settings.affinity_blocks)
-        return Routed(kind, {**body, "model": model}, model, key, cost, api_key)
+        return Routed(kind, {**body, "model": model}, model, key, cost, api_key, prompt, cost)
 
     async def _choose(self, routed: Routed, tried: set[str], first: bool) -> Replica:
         """A healthy replica, preferring ones not tried yet; waits for one (bounded)."""
@@ -114,7 +130,17 @@ class RouterService:
     # -- non-streamed ------------------------------------------------------------------------
     async def complete(self, routed: Routed) -> tuple[int, bytes, dict[str, str]]:
         """(status, body, headers) of the first replica that answers; a failed or overloaded
-        replica's request is sent to another from the start (the client saw nothing yet)."""
+        replica's request is sent to another from the start (the client saw nothing yet).
+        The key pays the answer's usage, nothing for a refusal or a failure."""
+        try:
+            status, content, headers = await self._complete(routed)
+        except RouterError:
+            self._settle(routed, 0)
+            raise
+        self._settle(routed, _usage_total(content) if status == 200 else 0)
+        return status, content, headers
+
+    async def _complete(self, routed: Routed) -> tuple[int, bytes, dict[str, str]]:
         tried: set[str] = set()
         last: ReplicaRefused | None = None
         for attempt in range(self.settings.max_attempts):
@@ -122,7 +148,7 @@ class RouterService:
             self.core.begin(replica.replica_id, routed.cost)
             try:
                 resp = await self.http.post(
-                    replica.url + PATHS[routed.kind], json=routed.body,
+                    replica.url + PATHS[routed.kind], json=routed.body, headers=replica.headers,
                     timeout=httpx.Timeout(10.0, read=self.settings.request_timeout))
             except httpx.HTTPError as exc:
                 self._failed(routed, replica, f"{type(exc).__name__}: {exc}")
@@ -135,7 +161,6 @@ class RouterService:
                 tried.add(replica.replica_id)
                 last = ReplicaRefused(503, resp.content, headers)
                 continue
-            self._settle(routed, _usage_total(resp))
             return resp.status_code, resp.content, headers
         if last is not None:
             return last.status, last.body, last.headers
@@ -151,50 +176,75 @@ class RouterService:
         self.metrics.retries.labels(routed.model).inc()
 
     def _settle(self, routed: Routed, used: int | None) -> None:
-        if used is not None:
-            self.limiter.settle(routed.api_key, routed.cost, used, self.clock())
+        """Make the key's charge for `routed` what it used (None: unknown, the charge stays)."""
+        if used is not None and used != routed.charged:
+            self.limiter.settle(routed.api_key, routed.charged, used, self.clock())
+            routed.charged = used
+
+    def unserved(self, routed: Routed) -> None:
+        """`routed` is answered without reaching a replica: its key is charged no tokens."""
+        self._settle(routed, 0)
+
+    def _charge_streamed(self, routed: Routed, state: ResumableStream) -> None:
+        """As a stream passes its charge, the key pays for it at once, not at the end: a
+        stream without max_tokens (charged a reservation) holds no credit while it runs."""
+        used = _streamed_tokens(routed, state)
+        if used > routed.charged:
+            self._settle(routed, used)
 
     # -- streamed ----------------------------------------------------------------------------
     async def stream(self, routed: Routed) -> AsyncIterator[dict[str, Any] | str]:
         """The client's SSE events, ending with DONE. Raises ReplicaRefused or RouterError
-        only before the first event (the app answers with that status)."""
+        only before the first event (the app answers with that status). However it ends
+        (done, the client gone, every replica failed), the key pays what was streamed."""
         state = ResumableStream(routed.kind, routed.body)
+        try:
+            async for event in self._stream(state, routed):
+                yield event
+        finally:
+            self._settle(routed, _streamed_tokens(routed, state))
+
+    async def _stream(self, state: ResumableStream, routed: Routed
+                      ) -> AsyncIterator[dict[str, Any] | str]:
         tried: set[str] = set()
         last: ReplicaRefused | None = None
-        try:
-            for attempt in range(self.settings.max_attempts):
-                replica = await self._choose(routed, tried, attempt == 0)
-                try:
-                    async for event in self._one_replica(state, routed, replica):
+        for attempt in range(self.settings.max_attempts):
+            replica = await self._choose(routed, tried, attempt == 0)
+            try:
+                async with aclosing(self._one_replica(state, routed, replica)) as events:
+                    async for event in events:
                         yield event
-                    return
-                except ReplicaRefused as refused:
-                    if not state.started():
-                        if refused.status != 503 or not self._others_left(
-                                routed, tried | {replica.replica_id}):
-                            raise
-                        last = refused
-                    else:
-                        ending = self._broken(state, routed, replica, f"it answered "
-                                              f"{refused.status} to the continuation")
-                        if ending:
-                            for event in ending:
-                                yield event
-                            return
-                except ReplicaBroken as exc:
-                    ending = self._broken(state, routed, replica, str(exc))
+                return
+            except ReplayDiverged as exc:
+                yield _error_event(f"the replica failed mid-stream and the stream could not "
+                                   f"be resumed: the continuation on {replica.replica_id} "
+                                   f"diverged ({exc})")
+                yield DONE
+                return
+            except ReplicaRefused as refused:
+                if not state.started():
+                    if refused.status != 503 or not self._others_left(
+                            routed, tried | {replica.replica_id}):
+                        raise
+                    last = refused
+                else:
+                    ending = self._broken(state, routed, replica, f"it answered "
+                                          f"{refused.status} to the continuation")
                     if ending:
                         for event in ending:
                             yield event
                         return
-                tried.add(replica.replica_id)
-            if last is not None and not state.started():
-                raise last
-            yield _error_event(f"{self.settings.max_attempts} replicas failed this request")
-            yield DONE
-        finally:
-            self._settle(routed, len(state.prompt_token_ids or []) + len(state.output_token_ids)
-                         if state.finished else None)
+            except ReplicaBroken as exc:
+                ending = self._broken(state, routed, replica, str(exc))
+                if ending:
+                    for event in ending:
+                        yield event
+                    return
+            tried.add(replica.replica_id)
+        if last is not None and not state.started():
+            raise last
+        yield _error_event(f"{self.settings.max_attempts} replicas failed this request")
+        yield DONE
 
     def _broken(self, state: ResumableStream, routed: Routed, replica: Replica, why: str
                 ) -> list[dict[str, Any] | str]:
@@ -217,23 +267,29 @@ class RouterService:
             url = replica.url + PATHS["completion"]
             body = state.continuation_body(replica.upstream_model or routed.model,
                                            replica.max_model_len)
-            log.info("resuming a stream on %s after %d tokens", replica.replica_id,
-                     len(state.output_token_ids))
+            log.info("resuming a stream on %s after %d tokens (%d of them again)",
+                     replica.replica_id, state.delivery.num_tokens,
+                     len(state.delivery.tail_ids))
         else:
             url, body = replica.url + PATHS[routed.kind], state.upstream_body()
         self.core.begin(replica.replica_id, routed.cost)
+        # aclosing: a client gone, or a stream given up, closes the upstream request at once,
+        # so the replica stops generating for no one
+        upstream = stream_events(self.http, url, body, headers=replica.headers,
+                                 stall_timeout=self.settings.stall_timeout)
         try:
-            async for event in stream_events(self.http, url, body, headers={},
-                                             stall_timeout=self.settings.stall_timeout):
-                if event == DONE:
-                    usage = state.usage_event() if state.resumed else None
-                    if usage is not None:
-                        yield usage
-                    yield DONE
-                    return
-                out = state.feed(event)
-                if out is not None:
-                    yield out
+            async with aclosing(upstream) as events:
+                async for event in events:
+                    if event == DONE:
+                        usage = state.usage_event() if state.resumed else None
+                        if usage is not None:
+                            yield usage
+                        yield DONE
+                        return
+                    out = state.feed(event)
+                    self._charge_streamed(routed, state)
+                    if out is not None:
+                        yield out
         finally:
             self.core.end(replica.replica_id, routed.cost)
 
@@ -243,8 +299,16 @@ def _error_event(message: str) -> dict[str, Any]:
                       "code": "replica_failed"}}
 
 
-def _usage_total(resp: httpx.Response) -> int | None:
+def _usage_total(content: bytes) -> int | None:
     try:
-        return int(json.loads(resp.content)["usage"]["total_tokens"])
+        return int(json.loads(content)["usage"]["total_tokens"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _streamed_tokens(routed: Routed, state: ResumableStream) -> int:
+    """What a stream has cost: its prompt, once a replica has taken it, and every token the
+    client was sent (so far)."""
+    if not state.started():
+        return 0
+    return state.prompt_tokens(routed.prompt_estimate) + state.generated_tokens

@@ -1,4 +1,4 @@
-"""Scheduler role: `python -m pagedserve.pipeline.scheduler.process --config-json ...`.
+"""Scheduler role: `python -m pagedserve.pipeline.scheduler.process --config-file ...`.
 
 Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall, heartbeats), a ROUTER for the
 worker ranks (Reset and StepPlan out to every rank, WorkerReady and StepResult back), a PULL

@@ -58,6 +58,22 @@ class Router:
                 found.append(child)
         return found
 
+    def replicas(self) -> dict[str, tuple[str, dict[str, str]]]:
+        """{replica name: (URL, the headers the replica asks for)} of the running groups, from
+        their launchers' command lines and the secret files in their private folders (ours:
+        this test runs as the router's user). The router's /metrics shows no URL."""
+        from pagedserve.pipeline.ingress.replica_secret import REPLICA_SECRET_HEADER
+        found = {}
+        for launcher in self.launchers():
+            cmd = launcher.cmdline()
+            folder = os.path.dirname(cmd[cmd.index("--ipc-dir") + 1])
+            index = os.path.basename(folder).split("-")[2]  # pagedserve-router-<index>-...
+            with open(cmd[cmd.index("--replica-secret-file") + 1]) as f:
+                headers = {REPLICA_SECRET_HEADER: f.read()}
+            name = f"{cmd[cmd.index('--served-model-name') + 1]}/{index}"
+            found[name] = (f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", headers)
+        return found
+
     def launcher_on(self, url: str) -> psutil.Process:
         port = url.rsplit(":", 1)[1]
         for launcher in self.launchers():
@@ -71,8 +87,7 @@ class Router:
         return scrape(f"{self.base}/metrics")
 
     def replica_urls(self) -> dict[str, str]:
-        return {labels["replica"]: labels["url"] for (name, items), _ in self.metrics().items()
-                if name == "router_replica_info" for labels in [dict(items)]}
+        return {name: url for name, (url, _headers) in self.replicas().items()}
 
     def close(self) -> int:
         self.launchers()  # remember their folders for leftovers()
@@ -104,9 +119,10 @@ def alive(procs: list[psutil.Process]) -> list[int]:
     return found
 
 
-def scrape(url: str) -> dict[tuple, float]:
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple, float]:
     out = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+    text = httpx.get(url, headers=headers, timeout=10).text
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out

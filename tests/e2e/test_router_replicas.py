@@ -51,8 +51,9 @@ def sharegpt_prompts(tokenizer) -> list[str]:
             for p, _ in sharegpt.first_turns(limit=NUM_SHAREGPT)]
 
 
-async def _complete(client, url, prompt):
-    r = await client.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": prompt, **GREEDY})
+async def _complete(client, url, prompt, headers=AUTH):
+    r = await client.post(f"{url}/v1/completions", headers=headers,
+                          json={"prompt": prompt, **GREEDY})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length", choice  # complete: all max_tokens generated
@@ -63,16 +64,16 @@ def test_200_sharegpt_requests_complete_as_one_engine_answers_and_both_replicas_
         router, sharegpt_prompts):
     """All 200 at once through the router, then all 200 at once to replica 0 alone."""
     prompts = sharegpt_prompts
-    replica0 = router.replica_urls()[f"{router.model}/0"]
+    replica0, secret0 = router.replicas()[f"{router.model}/0"]
 
     limits = httpx.Limits(max_connections=None)  # all 200 at once, not httpx's default 100
 
-    async def run(url):
+    async def run(url, headers=AUTH):
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(_complete(client, url, p) for p in prompts))
+            return await asyncio.gather(*(_complete(client, url, p, headers) for p in prompts))
 
     routed = asyncio.run(run(router.base))
-    assert routed == asyncio.run(run(replica0))
+    assert routed == asyncio.run(run(replica0, secret0))
     samples = router.metrics()
     CLEAN_RUN.update(list(dict(zip(prompts, routed)).items())[:NUM_STREAMS])
     per_replica = [metric(samples, "router_requests_total", replica=f"{router.model}/{i}")
@@ -83,10 +84,11 @@ def test_200_sharegpt_requests_complete_as_one_engine_answers_and_both_replicas_
 
 
 def test_a_three_turn_chat_stays_on_its_replica_and_hits_its_prefix_cache(router):
-    urls = router.replica_urls()
+    replicas = router.replicas()
+    urls = {rid: url for rid, (url, _) in replicas.items()}
     before = router.metrics()
-    hits_before = {rid: metric(scrape(f"{url}/metrics"), "vllm:prefix_cache_hits_total")
-                   for rid, url in urls.items()}
+    hits_before = {rid: metric(scrape(f"{url}/metrics", secret), "vllm:prefix_cache_hits_total")
+                   for rid, (url, secret) in replicas.items()}
     messages = [{"role": "user", "content": "Tell me about the history of the bicycle, "
                  "from its invention to the present day."}]
     served_by = []
@@ -103,8 +105,8 @@ def test_a_three_turn_chat_stays_on_its_replica_and_hits_its_prefix_cache(router
             messages += [r.json()["choices"][0]["message"], {"role": "user", "content": question}]
     assert len(served_by) == 3 and len(set(served_by)) == 1, served_by
     home = served_by[0]
-    hits = {rid: metric(scrape(f"{url}/metrics"), "vllm:prefix_cache_hits_total") - hits_before[rid]
-            for rid, url in urls.items()}
+    hits = {rid: metric(scrape(f"{url}/metrics", secret), "vllm:prefix_cache_hits_total")
+            - hits_before[rid] for rid, (url, secret) in replicas.items()}
     # turns 2 and 3 find at least turn 1's prompt (whole 16-token blocks) in the cache
     assert hits[home] >= 2 * 16, hits
     assert metric(router.metrics(), "router_spills_total") == metric(before, "router_spills_total")

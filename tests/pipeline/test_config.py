@@ -112,7 +112,11 @@ def test_ipc_dir_is_created_private_or_refused_when_others_can_enter(tmp_path):
         prepare_ipc_dir(str(open_dir))
     a, b = IpcArgs(ipc_dir=str(tmp_path / "g")), IpcArgs(ipc_dir=str(tmp_path / "x" / "g"))
     assert a.tag != b.tag and a.tag.startswith("g-")  # same folder name, other groups
-    assert a.shm_segments(2) == [f"{a.tag}_bt", f"{a.tag}_swap0", f"{a.tag}_swap1"]
+    # a random part no other user can derive, so none can plant a segment under the name
+    nonce = a.shm_nonce
+    assert len(nonce) == 32 and nonce != b.shm_nonce
+    assert a.shm_segments(2) == [f"{a.tag}_{nonce}_bt", f"{a.tag}_{nonce}_swap0",
+                                 f"{a.tag}_{nonce}_swap1"]
     assert a.rendezvous(3) == f"file://{tmp_path}/g/rendezvous-3"
 
 

@@ -116,8 +116,10 @@ def group(tmp_path):
     engine.start()
     zctx = zmq.Context()
     control = transport.make_socket(zctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.ingress.process", "--config-json",
-                             cfg.to_json(), "--rank", "0"], cwd=ROOT)
+    config_file = cfg.ipc.config_file("ingress", 0)
+    cfg.to_file(config_file)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.pipeline.ingress.process",
+                             "--config-file", config_file, "--rank", "0"], cwd=ROOT)
     try:
         assert control.poll(120_000), "the ingress never reported ready"
         ready = transport.recv(control)

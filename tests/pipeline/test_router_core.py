@@ -144,7 +144,8 @@ def test_command_line():
     assert wants_router(["--data-parallel-size=2"])
     assert not wants_router(["--model", "a", "--port", "1"])
     assert parse_api_key("k:60:") == ("k", KeyLimit(60.0, None))
-    for bad in ("k:x", ":1", "k:1:2:3", "k:-1"):
+    assert parse_api_key("k:::-5") == ("k", KeyLimit(None, None, priority_floor=-5))
+    for bad in ("k:x", ":1", "k:1:2:3:4", "k:-1", "k:1:2:high", "k:1:2:1.5"):
         with pytest.raises(ValueError, match="--api-key"):
             parse_api_key(bad)
     cfg, _ = config_from_argv(["--model", "a=/m", "--model", "b=/m", "--max-loaded-models", "1",

@@ -6,6 +6,7 @@ import json
 import httpx
 
 from pagedserve.pipeline.router.core import Replica, RouterCore
+from pagedserve.pipeline.router.delivery import Delivery
 from pagedserve.pipeline.router.metrics import RouterMetrics
 from pagedserve.pipeline.router.model_slots import ModelSlots
 from pagedserve.pipeline.router.models import ModelManager
@@ -150,3 +151,114 @@ def test_an_overloaded_replica_is_skipped_and_overload_everywhere_is_a_503_with_
     assert status == 503 and headers == {"retry-after": "7"}
     assert sorted(asked[:2]) == ["m-0", "m-1"]  # both were tried before giving up
     assert status2 == 200
+
+
+def test_delivery_confirms_a_token_once_all_its_text_was_sent():
+    plain = Delivery([])
+    plain.sent([10], "a")
+    plain.sent([11], "")           # held: the first bytes of a character
+    assert (plain.confirmed_ids, plain.tail_ids, plain.tail_text) == ([10], [11], "")
+    plain.sent([12], "é")          # released with the next token's text
+    assert (plain.confirmed_ids, plain.tail_ids) == ([10, 11, 12], [])
+
+    stops = Delivery(["\n\n"])     # text that may begin "\n\n" is held by the replica
+    stops.sent([10], "a")
+    assert stops.confirmed_ids == [] and stops.tail_text == "a"
+    stops.sent([11], " b")         # what follows "a" starts with no stop's first character
+    assert (stops.confirmed_ids, stops.tail_ids, stops.tail_text) == ([10], [11], " b")
+    stops.sent([12], "")
+    stops.sent([13], "\nc")        # "\n" may have been held at the end of " b"'s chunk
+    assert (stops.confirmed_ids, stops.tail_ids, stops.tail_text) == ([10], [11, 12, 13],
+                                                                      " b\nc")
+    stops.sent([14], " d")
+    assert (stops.confirmed_ids, stops.tail_ids, stops.tail_text) == ([10, 11, 12, 13], [14],
+                                                                      " d")
+    assert stops.num_tokens == 5
+
+
+STOP_WORDS = {10: "a", 11: " b", 12: "\n", 13: "c", 14: " d"}
+
+
+def _completion_chunks(ids_and_texts, finish_last=True):
+    out = [{"id": "cmpl-x", "choices": [{"index": 0, "text": text, "token_ids": ids,
+                                         "finish_reason": None}]} for ids, text in ids_and_texts]
+    if finish_last:
+        out[-1]["choices"][0]["finish_reason"] = "length"
+    return out
+
+
+def _held_newline_run(continuation):
+    """The first replica sends "a", " b", then token 12 ("\\n", held: it may begin the stop
+    string "\\n\\n") and dies; `continuation` answers the resumed request."""
+    seen = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        seen.append(body)
+        if request.url.path == "/v1/chat/completions":
+            first = chat_chunks(0, 0)
+            first += [{"id": "c1", "created": 7, "model": "m", "object": "chat.completion.chunk",
+                       "choices": [{"index": 0, "delta": {"content": text} if text else {},
+                                    "token_ids": [tid], "finish_reason": None}]}
+                      for tid, text in ((10, "a"), (11, " b"), (12, ""))]
+            return httpx.Response(200, stream=Broken(sse(first)))
+        return httpx.Response(200, content=sse(continuation + ["[DONE]"]))
+
+    async def run():
+        service, _, _ = make_service(handler)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                "temperature": 0, "stop": ["\n\n"], "stream": True}
+        return [e async for e in service.stream(service.route("chat", body, ""))]
+
+    return asyncio.run(run()), seen
+
+
+def test_text_the_replica_held_back_for_a_stop_string_is_not_lost_on_resume():
+    events, seen = _held_newline_run(_completion_chunks(
+        [([11], " b"), ([12], ""), ([13], "\nc"), ([14], " d")]))
+    text = "".join(c["delta"].get("content", "") for e in events[:-1] for c in e["choices"])
+    assert text == "a b\nc d"  # resuming after token 12 would have lost its "\n"
+    cont = seen[1]
+    assert cont["prompt"] == PROMPT_IDS + [10] and cont["max_tokens"] == 4
+    assert cont["stop"] == ["\n\n"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == DONE
+
+
+def test_a_continuation_that_repeats_the_tail_differently_ends_the_stream_with_an_error():
+    events, _ = _held_newline_run(_completion_chunks([([11], " x"), ([12], "")]))
+    assert events[-1] == DONE and "diverged" in events[-2]["error"]["message"]
+    text = "".join(c["delta"].get("content", "") for e in events[:-2] for c in e["choices"])
+    assert text == "a b"  # nothing of the diverged continuation reached the client
+
+
+def test_a_constrained_or_shaped_stream_is_not_resumed_but_ends_naming_the_cause():
+    def run(extra, deltas):
+        def handler(request):
+            if request.url.path == "/v1/completions":  # a continuation: one token, finished
+                return httpx.Response(200, content=sse(_completion_chunks([([20], "}")])
+                                                       + ["[DONE]"]))
+            first = chat_chunks(0, 0) + [
+                {"id": "c1", "choices": [{"index": 0, "delta": d, "token_ids": [10 + i]}]}
+                for i, d in enumerate(deltas)]
+            return httpx.Response(200, stream=Broken(sse(first)))
+
+        async def go():
+            service, _, _ = make_service(handler)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True, **extra}
+            return [e async for e in service.stream(service.route("chat", body, ""))]
+        events = asyncio.run(go())
+        assert events[-1] == DONE
+        return events[-2].get("error", {}).get("message", "resumed")
+
+    text = [{"content": "{"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert "constrained by response_format" in run({"response_format": schema}, text)
+    assert "constrained by structured_outputs" in run({"structured_outputs": {"regex": "a+"}},
+                                                      text)
+    assert "constrained by guided_choice" in run({"guided_choice": ["a", "b"]}, text)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert "constrained by tools" in run({"tools": tools}, text)
+    assert "reasoning_content" in run({}, [{"reasoning_content": "hmm"}])
+    assert run({"response_format": {"type": "text"}, "tools": tools, "tool_choice": "none"},
+               text) == "resumed"  # neither constrains the output
