@@ -4,7 +4,13 @@ Every node reads the same cluster secret (`--cluster-secret-file`). The schedule
 (the only ZeroMQ socket that crosses hosts) runs ZeroMQ's CURVE: the server's and the client's
 key pairs are derived from the secret, so only a peer holding it completes the handshake; every
 frame after it is encrypted and authenticated. A peer without the secret (a plain connection, or
-keys from another secret) is refused by the handshake and logged by `log_refusals`.
+keys from another secret) is refused by the handshake and logged by `log_refusals`. A ZAP
+handler on the server's context also checks the client's public key against an allow-list (the
+cluster's client key), so a peer must hold both derived key pairs.
+
+The rendezvous store (torch's TCPStore) and gloo's collective traffic carry no authentication
+of their own: they bind only the --master-addr interface (cluster_net.py), which must be a
+private network between the nodes (a VPC subnet, a VLAN, WireGuard), as docs/ARCHITECTURE.md says.
 """
 from __future__ import annotations
 
@@ -67,8 +73,50 @@ def curve_keys(secret: bytes) -> CurveKeys:
     return CurveKeys(*_key_pair(secret, b"server"), *_key_pair(secret, b"client"))
 
 
+class ClientAllowList:
+    """ZAP's check of a CURVE client: only the cluster's client key (derived from the secret)
+    is let in. Without a ZAP handler libzmq admits any client key once the handshake with the
+    server's key succeeds; with one, a peer must also hold a listed client key pair."""
+
+    def __init__(self, allowed: set[bytes]):
+        self.allowed = frozenset(allowed)
+        self.refused = 0
+
+    def callback(self, _domain: str, client_key: bytes) -> bool:
+        allowed = client_key in self.allowed
+        self.refused += not allowed
+        return allowed
+
+
+ZAP_DOMAIN = "pagedserve"
+# One ZAP handler per context, started before its first CURVE server socket binds.
+_authenticators: dict[int, tuple[zmq.Context, object, ClientAllowList]] = {}
+
+
+def allow_only(context: zmq.Context, client_public: bytes) -> ClientAllowList:
+    """Start (once per context) the ZAP handler that admits only `client_public`."""
+    from zmq.auth.thread import ThreadAuthenticator
+    entry = _authenticators.get(id(context))
+    if entry is None or entry[0] is not context:
+        auth = ThreadAuthenticator(context, log=logging.getLogger("pagedserve.zap"))
+        auth.start()
+        allow_list = ClientAllowList({client_public})
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=allow_list)
+        entry = _authenticators[id(context)] = (context, auth, allow_list)
+    return entry[2]
+
+
+def stop_allow_list(context: zmq.Context) -> None:
+    """Stop the context's ZAP handler (before the context terminates)."""
+    entry = _authenticators.pop(id(context), None)
+    if entry is not None:
+        entry[1].stop()
+
+
 def curve_server(keys: CurveKeys) -> Callable[[zmq.Socket], None]:
     def configure(sock: zmq.Socket) -> None:
+        allow_only(sock.context, keys.client_public)
+        sock.zap_domain = ZAP_DOMAIN.encode()
         sock.curve_server = True
         sock.curve_secretkey = keys.server_secret
         sock.curve_publickey = keys.server_public

@@ -83,7 +83,45 @@ def test_only_a_peer_with_the_secret_gets_through_and_refusals_are_logged(caplog
     finally:
         for sock in (*peers.values(), server):
             sock.close(0)
+        cluster_auth.stop_allow_list(ctx)
         ctx.term()                                  # returns: the monitor thread let go
+
+
+def test_a_client_key_off_the_allow_list_is_refused_even_with_the_servers_key():
+    """ZAP: a peer that learned the server's public key but holds another client key pair
+    completes no handshake; the cluster's client key does."""
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    keys = cluster_auth.curve_keys(b"the cluster's own secret")
+    ctx = zmq.Context()
+    server = transport.make_socket(ctx, zmq.ROUTER, addr, bind=True,
+                                   secure=cluster_auth.curve_server(keys))
+    stranger_public, stranger_secret = zmq.curve_keypair()
+
+    def stranger(sock):
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey, sock.curve_secretkey = stranger_public, stranger_secret
+    peers = [transport.make_socket(ctx, zmq.DEALER, addr, bind=False, identity=name,
+                                   secure=secure)
+             for name, secure in ((b"stranger", stranger),
+                                  (b"good", cluster_auth.curve_client(keys)))]
+    try:
+        for sock in peers:
+            sock.setsockopt(zmq.SNDTIMEO, 3000)
+        try:
+            transport.send(peers[0], messages.Heartbeat("worker", 2), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        transport.send(peers[1], messages.Heartbeat("worker", 1))
+        assert server.poll(5000)
+        assert transport.recv_routed(server) == (b"good", messages.Heartbeat("worker", 1))
+        assert not server.poll(1500)
+        allow_list = cluster_auth.allow_only(ctx, keys.client_public)
+        assert allow_list.refused >= 1 and allow_list.allowed == {keys.client_public}
+    finally:
+        for sock in (*peers, server):
+            sock.close(0)
+        cluster_auth.stop_allow_list(ctx)
+        ctx.term()
 
 
 def test_ipc_addresses_need_no_secret():

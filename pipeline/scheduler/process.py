@@ -415,6 +415,7 @@ class SchedulerProcess:
         time.sleep(0.05)  # let the shutdown frames leave before the sockets close
         for sock in (self.frontend, self.workers, self.events, self.detok, self.control):
             sock.close(linger=200)
+        cluster_auth.stop_allow_list(self.ctx)   # its ZAP socket would hold term() forever
         self.ctx.term()
         if self.block_tables is not None:
             self.block_tables.close()
