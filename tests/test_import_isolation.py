@@ -43,7 +43,8 @@ def test_the_root_is_not_on_this_test_process_import_path(path_at_start):
     assert ROOT not in resolved, path_at_start
     for name in BARE:
         module = sys.modules.get(name)
-        assert module is None or ROOT not in Path(getattr(module, "__file__", "") or "/").parents
+        origin = Path(getattr(module, "__file__", "") or "/").resolve()
+        assert module is None or (ROOT / name) not in origin.parents, origin
 
 
 def _shadows(tmp_path: Path) -> Path:
