@@ -1,12 +1,15 @@
 """One chat choice's text as OpenAI shapes it: reasoning_content (--reasoning-parser), then
 content or tool_calls (tools.ToolPlan). The streamed deltas and the non-streamed message read
-the text the same way, so the deltas assemble to the message."""
+the text the same way, so the deltas assemble to the message. Per delta, the work is linear in
+the delta (reasoning.ReasoningStream, tool_stream.ToolDeltaStream): the text so far is read
+again only once, at the end, for the final reading."""
 from __future__ import annotations
 
 from typing import Any
 
 from pagedserve.pipeline.ingress import tools
 from pagedserve.pipeline.ingress.reasoning import ReasoningStream, split
+from pagedserve.pipeline.ingress.tool_stream import ToolDeltaStream
 
 
 class ChoiceShaper:
@@ -14,7 +17,7 @@ class ChoiceShaper:
         self.tool_plan = tool_plan if tool_plan is not None and tool_plan.mode != "none" else None
         self.reasoning_parser = reasoning_parser
         self._reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self._tools = tools.ToolCallStream(self.tool_plan) if self.tool_plan else None
+        self._tools = ToolDeltaStream(self.tool_plan, tools.new_call_id) if self.tool_plan else None
 
     @property
     def plain(self) -> bool:

@@ -9,15 +9,10 @@ stream's deltas assemble to the non-streamed message. A tag still being generate
 """
 from __future__ import annotations
 
+from pagedserve.pipeline.ingress.marker_scan import MarkerScan, held_prefix
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
-
-
-def _held(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def split(parser: str, text: str, final: bool) -> tuple[str, str]:
@@ -32,26 +27,61 @@ def split(parser: str, text: str, final: bool) -> tuple[str, str]:
         body = body[len(OPEN):]
     end = body.find(CLOSE)
     if end < 0:
-        held = 0 if final else _held(body, CLOSE)
+        held = 0 if final else held_prefix(body, CLOSE)
         return body[:len(body) - held], ""
     return body[:end], body[end + len(CLOSE):].lstrip()
 
 
 class ReasoningStream:
-    """One choice's reasoning/content deltas."""
+    """One choice's reasoning/content deltas, as `split` reads the text so far, each delta read
+    once: the opening tag is decided on its few characters, `</think>` is found by a
+    MarkerScan, and the text so far is joined only for the final reading."""
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
-        self.text = ""
+        self._chunks: list[str] = []
         self.sent = [0, 0]  # reasoning, content
+        self._phase = "opening"      # then "thinking", "answer_start" (whitespace), "answer"
+        self._opening = ""           # the output so far, less leading whitespace, while undecided
+        self._close = MarkerScan(CLOSE)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(new reasoning, new content) for `text` appended."""
-        self.text += text
-        parts = split(self.parser, self.text, final)
-        new = tuple(part[sent:] for part, sent in zip(parts, self.sent))
-        self.sent = [len(p) for p in parts]
+        self._chunks.append(text)
+        if final:
+            whole = "".join(self._chunks)
+            self._chunks = [whole]
+            parts = split(self.parser, whole, True)
+            new = (parts[0][self.sent[0]:], parts[1][self.sent[1]:])
+        else:
+            new = self._read(text)
+        self.sent = [self.sent[0] + len(new[0]), self.sent[1] + len(new[1])]
         return new
+
+    def _read(self, text: str) -> tuple[str, str]:
+        if self._phase == "opening":
+            body = (self._opening + text).lstrip()
+            if body.startswith(OPEN):
+                self._phase, text = "thinking", body[len(OPEN):]
+            elif OPEN.startswith(body):
+                self._opening = body  # the opening tag may still be on its way
+                return "", ""
+            elif self.parser == "qwen3":  # no thinking: all of it is the answer, as it came
+                self._phase = "answer"
+                return "", "".join(self._chunks)
+            else:
+                self._phase, text = "thinking", body
+        reasoning = ""
+        if self._phase == "thinking":
+            reasoning, after = self._close.feed(text)
+            if after is None:
+                return reasoning, ""
+            self._phase, text = "answer_start", text[after:]
+        if self._phase == "answer_start":
+            text = text.lstrip()
+            if text:
+                self._phase = "answer"
+        return reasoning, text
 
 
 def answer_only(spec, parser: str, tokenizer):

@@ -7,6 +7,13 @@ prefixes of what the whole response carries and assemble to it exactly. A field'
 scanned with string and nesting awareness, so an arguments object that contains "name" keys or
 braces inside strings is read correctly, and a partial one is known to be partial.
 
+Every reading is prefix-consistent: what the text so far says (content, a call's name, its
+arguments so far) stays true as the text grows, so a stream can send it at once. Hence a
+repeated key counts once (its first value), the arguments are the first of `arguments` /
+`parameters` the object holds, and a key or name that is not valid JSON reads as malformed.
+`tool_stream.py` reads the same way in one pass over a stream's deltas; these functions read
+a whole text (the non-streamed message, and the reference the stream is tested against).
+
 Formats: `hermes` (Qwen2.5 / Qwen3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`;
 without the tags, an answer that opens with a call object naming one of the request's tools,
 bare or in a ```json fence, as Qwen2.5-Coder writes its calls and llama.cpp's Hermes parser reads),
@@ -19,7 +26,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagedserve.pipeline.ingress.marker_scan import held_prefix
+
 _WS = " \t\r\n"
+ARGS_KEYS = ("arguments", "parameters")
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -104,7 +115,9 @@ def object_fields(text: str, start: int) -> tuple[dict[str, tuple[int, int | Non
         key_end = _string_end(text, i)
         if key_end is None:
             return fields, None
-        key = json.loads(text[i:key_end])
+        key = string_value(text[i:key_end])
+        if key is None:
+            return fields, None
         i = _skip_ws(text, key_end)
         if i >= len(text) or text[i] != ":":
             return fields, None
@@ -112,27 +125,40 @@ def object_fields(text: str, start: int) -> tuple[dict[str, tuple[int, int | Non
         if v >= len(text):
             return fields, None
         end = value_end(text, v)
-        fields[key] = (v, end)
+        fields.setdefault(key, (v, end))
         if end is None:
             return fields, None
         i = end
 
 
-def call_at(text: str, start: int, args_keys=("arguments", "parameters")) -> tuple[ParsedCall, int | None]:
-    """The call object at text[start] ('{'), and where it ends."""
+def string_value(token: str) -> str | None:
+    """The string a JSON value's text holds; None for another value or text that is not JSON."""
+    try:
+        value = json.loads(token)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def read_call(text: str, start: int, args_keys=ARGS_KEYS) -> tuple[ParsedCall, int | None, int | None]:
+    """The call object at text[start] ('{'), where it ends, and where its name's value ends."""
     fields, end = object_fields(text, start)
-    name = None
+    name = name_end = None
     if "name" in fields and fields["name"][1] is not None:
-        value = json.loads(text[fields["name"][0]:fields["name"][1]])
-        name = value if isinstance(value, str) else None
+        name_end = fields["name"][1]
+        name = string_value(text[fields["name"][0]:name_end])
+    present = [fields[key] for key in args_keys if key in fields]
     args, complete = "", False
-    for key in args_keys:
-        if key in fields:
-            a_start, a_end = fields[key]
-            args = text[a_start:a_end if a_end is not None else len(text)]
-            complete = a_end is not None
-            break
-    return ParsedCall(name, args, complete and end is not None), end
+    if present:
+        a_start, a_end = min(present)  # the first in the text: later ones cannot replace it
+        args = text[a_start:a_end if a_end is not None else len(text)]
+        complete = a_end is not None
+    return ParsedCall(name, args, complete and end is not None), end, name_end
+
+
+def call_at(text: str, start: int, args_keys=ARGS_KEYS) -> tuple[ParsedCall, int | None]:
+    """The call object at text[start] ('{'), and where it ends."""
+    return read_call(text, start, args_keys)[:2]
 
 
 def _objects(text: str, i: int, separators: str) -> list[ParsedCall]:
@@ -150,33 +176,27 @@ def _objects(text: str, i: int, separators: str) -> list[ParsedCall]:
         i = end
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that begins `marker` (held back from content)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def parse_hermes(text: str, final: bool, names: frozenset[str] = frozenset()) -> Parsed:
-    start = text.find("<tool_call>")
+    start = text.find(OPEN_TAG)
+    untagged = _untagged_calls(text, final, names, start if start >= 0 else len(text))
+    if untagged is not None:
+        return untagged
     if start < 0:
-        untagged = _untagged_calls(text, final, names)
-        if untagged is not None:
-            return untagged
-        held = 0 if final else _held_prefix(text, "<tool_call>")
+        held = 0 if final else held_prefix(text, OPEN_TAG)
         return Parsed(text[:len(text) - held])
     calls, i = [], start
     while i >= 0:
-        body = i + len("<tool_call>")
-        close = text.find("</tool_call>", body)
+        body = i + len(OPEN_TAG)
+        close = text.find(CLOSE_TAG, body)
         region = text[body:close if close >= 0 else len(text)]
+        if close < 0 and not final:  # what may be the closing tag is not arguments yet
+            region = region[:len(region) - held_prefix(region, CLOSE_TAG)]
         j = _skip_ws(region, 0)
         if j < len(region) and region[j] == "{":
             calls.append(call_at(region, j)[0])
         if close < 0:
             break
-        i = text.find("<tool_call>", close)
+        i = text.find(OPEN_TAG, close)
     return Parsed(text[:start], calls)
 
 
@@ -190,7 +210,7 @@ def _call_opening(text: str, i: int) -> tuple[int | None, bool]:
         if text.startswith(fence, i):
             i = _skip_ws(text, i + len(fence))
             break
-        if fence.startswith(text[i:]):
+        if fence.startswith(text[i:i + len(fence) + 1]):  # bounded: no copy of the rest
             return None, True
     if i >= len(text):
         return None, True
@@ -199,21 +219,22 @@ def _call_opening(text: str, i: int) -> tuple[int | None, bool]:
     key = _skip_ws(text, i + 1)
     if text.startswith('"name"', key):
         return i, True
-    return None, '"name"'.startswith(text[key:])
+    return None, '"name"'.startswith(text[key:key + 7])
 
 
-def _untagged_calls(text: str, final: bool, names: frozenset[str]) -> Parsed | None:
+def _untagged_calls(text: str, final: bool, names: frozenset[str], tag_at: int) -> Parsed | None:
     """The calls of an answer that opens with an untagged call object (one after another, each
     maybe fenced); None when the text is not one, or an empty Parsed while it may become one
     (held back from content). A call counts once its name is complete and one of `names`, so
-    what a stream has sent as a call stays one."""
+    what a stream has sent as a call stays one; the first one's name must end before `tag_at`
+    (the first <tool_call>), else the tags decide."""
     calls, i = [], _skip_ws(text, 0)
     while i < len(text):
         start = _call_opening(text, i)[0]
         if start is None:
             break
-        call, end = call_at(text, start)
-        if call.name is None or call.name not in names:
+        call, end, name_end = read_call(text, start)
+        if call.name is None or call.name not in names or not calls and name_end > tag_at:
             break
         calls.append(call)
         if end is None:
@@ -223,7 +244,7 @@ def _untagged_calls(text: str, final: bool, names: frozenset[str]) -> Parsed | N
             i = _skip_ws(text, i + 3)
     if calls:
         return Parsed("", calls)
-    if final or not names:
+    if final or not names or tag_at < len(text):
         return None
     i = _skip_ws(text, 0)
     start, possible = _call_opening(text, i) if i < len(text) else (None, True)
