@@ -2,12 +2,14 @@
 
 Roles are the launcher's names: scheduler, worker0, worker1, ..., detokenizer, ingress.
 Kinds:  crash      SIGKILL itself
+        abort      SIGABRT itself (as a native crash would: the launcher holds it against what ran)
         raise      raise FaultInjected (the role's normal error path runs)
         hang       stop responding (sleep forever, sockets untouched)
         slow=<ms>  sleep that long before handling each message
 Triggers: step=<N> (scheduler and workers: the first step >= N), msg=<N> (the N-th message
 handled, any role), start (right after the role reports ready), token=<id> (workers: the first
-plan that sends a sequence whose prompt holds that token id - a "poison request"). Without a
+plan that sends a sequence whose prompt holds that token id; detokenizer and ingress: the first
+request whose prompt holds it - a "poison request"). Without a
 trigger, crash/raise/hang fire at the first message. A spec fires in the first incarnation of a role only, unless it
 ends in `!` (e.g. `worker0:crash@start!`), which fires after every restart: a crash loop.
 
@@ -16,6 +18,7 @@ Example: PAGEDSERVE_FAULT="worker1:crash@step=40;detokenizer:slow=50"
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -47,9 +50,9 @@ def parse(text: str) -> list[FaultSpec]:
             raise ValueError(f"{ENV}: {part!r} is not <role>:<kind>[@<trigger>]")
         what, _, trigger = rest.partition("@")
         kind, _, arg = what.partition("=")
-        if kind not in ("crash", "raise", "hang", "slow"):
+        if kind not in ("crash", "abort", "raise", "hang", "slow"):
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {part!r} "
-                             "(crash, raise, hang, slow=<ms>)")
+                             "(crash, abort, raise, hang, slow=<ms>)")
         slow_ms = float(arg) if kind == "slow" else 0.0
         if kind == "slow" and slow_ms <= 0:
             raise ValueError(f"{ENV}: slow needs a positive delay in ms, e.g. slow=50")
@@ -104,9 +107,19 @@ class FaultInjector:
                 self._fired.add(i)
                 self._fire(s, f"message {self.messages}" if step is None else f"step {step}")
 
+    def on_tokens(self, token_ids) -> None:
+        """Before working on a request whose prompt is `token_ids` (token=<id> triggers only)."""
+        for i, s in enumerate(self.specs):
+            if s.trigger == "token" and i not in self._fired and s.at in token_ids:
+                self._fired.add(i)
+                self._fire(s, f"a request holding token {s.at}")
+
     def _fire(self, spec: FaultSpec, where: str) -> None:
         if spec.kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
+        if spec.kind == "abort":
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
+            os.kill(os.getpid(), signal.SIGABRT)
         if spec.kind == "raise":
             raise FaultInjected(f"injected fault in {self.role} at {where}")
         if spec.kind == "hang":

@@ -263,6 +263,15 @@ class IpcArgs:
         """The config a role's `incarnation`-th start reads (`--config-file`)."""
         return os.path.join(self.ipc_dir, f"config-{role}-{incarnation}.json")
 
+    def breadcrumb_file(self, role: str) -> str:
+        """Which request `role` is working on, for the launcher to read if it dies
+        (pagedserve/breadcrumb.py)."""
+        return os.path.join(self.ipc_dir, f"{role}.breadcrumb")
+
+    def quarantine_file(self, role: str) -> str:
+        """The requests that ended `role` before, which its next start refuses."""
+        return os.path.join(self.ipc_dir, f"{role}.quarantine")
+
     def shm_segments(self, tensor_parallel_size: int) -> list[str]:
         """Every shared-memory segment the group creates: the scheduler's block tables and each
         rank's host swap pool."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagedserve import cluster_net, envs, transport
+from pagedserve.breadcrumb import PrivateFileError, read_breadcrumb, save_keys
 from pagedserve.lifecycle import remove_file, setup_logging
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, build_arg_parser,
@@ -33,6 +34,8 @@ from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, b
 log = logging.getLogger("pagedserve.launcher")
 
 HEARTBEAT_ROLES = ("scheduler", "detokenizer", "ingress")
+BREADCRUMB_ROLES = ("detokenizer", "ingress")  # many requests in one process: mark the one running
+QUARANTINE_SIZE = 1024  # requests an ingress refuses because one like it ended an ingress
 ROLE_MODULES = {"scheduler": "pagedserve.pipeline.scheduler.process",
                 "worker": "pagedserve.workers.process",
                 "detokenizer": "pagedserve.pipeline.detokenizer.process",
@@ -51,6 +54,7 @@ class Child:
     last_cause: str = ""
     last_beat: float = 0.0
     config_file: str = ""     # what its latest start reads; removed at its next start and at exit
+    hung: bool = False        # killed by us for its silence (held against what it was doing)
 
     @property
     def name(self) -> str:
@@ -115,6 +119,7 @@ class Supervisor:
         self.children = ([Child(role, 0, ROLE_MODULES[role]) for role in before] + workers
                          + [Child(role, 0, ROLE_MODULES[role]) for role in after])
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self.quarantined: collections.deque[str] = collections.deque(maxlen=QUARANTINE_SIZE)
         self.ctx = zmq.Context()
         self.control = transport.make_socket(self.ctx, zmq.PULL, cfg.ipc.control_addr, bind=True)
         self.to_scheduler = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.events_addr, bind=False)
@@ -129,6 +134,7 @@ class Supervisor:
     def start(self, child: Child) -> None:
         child.incarnation += 1
         child.ready, child.last_cause, child.last_beat = False, "", time.monotonic()
+        child.hung = False
         cmd = [sys.executable, "-m", child.module, "--config-file", self._write_config(child),
                "--rank", str(child.rank), "--incarnation", str(child.incarnation)]
         # Without the secrets (the API key): the config file carries what a child needs.
@@ -291,6 +297,7 @@ class Supervisor:
                     log.error("%s pid=%d sent no heartbeat for %.0fs: hung; killing it",
                               child.name, child.proc.pid, now - child.last_beat)
                     child.last_cause = f"hung (no heartbeat for {now - child.last_beat:.0f}s)"
+                    child.hung = True
                     child.proc.kill()
                     child.proc.wait()
 
@@ -308,9 +315,28 @@ class Supervisor:
 
     def _restart(self, child: Child, cause: str) -> None:
         self._count_restart(child.role, cause)
+        suspect = self._suspect(child)
+        if suspect is not None:
+            log.error("%s %s while working on request %s: that request is quarantined (refused "
+                      "from now on, not retried)", child.name, cause, suspect)
+            if child.role == "ingress":
+                self.quarantined.append(suspect)
+                save_keys(self.config.ipc.quarantine_file("ingress"), list(self.quarantined))
         if child.role != "scheduler":
-            self._tell_scheduler(messages.RoleDown(child.role, cause))
+            self._tell_scheduler(messages.RoleDown(child.role, cause, suspect is not None,
+                                                   suspect or ""))
         self.start(child)
+
+    def _suspect(self, child: Child) -> str | None:
+        """The request a detokenizer's or ingress's death is held against: the one its
+        breadcrumb names, when it died of itself or hung (not when killed from outside)."""
+        if child.role not in BREADCRUMB_ROLES or not (child.hung or died_of_itself(child)):
+            return None
+        try:
+            return read_breadcrumb(self.config.ipc.breadcrumb_file(child.role))
+        except PrivateFileError as exc:
+            log.warning("%s", exc)
+            return None
 
     def _restart_workers(self, cause: str, attributable: bool = False) -> None:
         self._count_restart("worker", cause)
@@ -379,6 +405,9 @@ class Supervisor:
         for child in self.children:
             if child.config_file:
                 remove_file(child.config_file, log)
+        for role in BREADCRUMB_ROLES:
+            remove_file(ipc.breadcrumb_file(role), log)
+        remove_file(ipc.quarantine_file("ingress"), log)
         if self.local_rendezvous:
             for start in range(self.worker_starts + 1):
                 remove_file(ipc.rendezvous(start).removeprefix("file://"), log)

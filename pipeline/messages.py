@@ -315,11 +315,13 @@ class StepTimeout(msgspec.Struct):
 
 class RoleDown(msgspec.Struct):
     """Launcher -> scheduler: a role died and is being restarted (health turns 503).
-    `attributable`: it died of itself (an exception, a crash signal, an error exit), so what it
-    was computing may be the cause; not when it was killed from outside or hung."""
+    `attributable`: it died of itself (an exception, a crash signal, an error exit) - or, for
+    the detokenizer and ingress, hung while its breadcrumb named `suspect` - so what it was
+    computing may be the cause; not when it was killed from outside."""
     role: str
     cause: str
     attributable: bool = False
+    suspect: str = ""  # detokenizer, ingress: the request its breadcrumb named (quarantined)
 
 
 class RoleRestarted(msgspec.Struct):

@@ -14,6 +14,7 @@ import time
 import zmq
 
 from pagedserve import transport
+from pagedserve.breadcrumb import Breadcrumb
 from pagedserve.faults import FaultInjector
 from pagedserve.lifecycle import start_role
 from pagedserve.pipeline import messages
@@ -46,7 +47,8 @@ def main() -> int:
         # Without waiting: a client whose queue is full has its deltas held, then is dropped.
         send_to_client=lambda cid, msg: transport.send(clients, msg, identity=cid,
                                                        flags=zmq.NOBLOCK),
-        send_to_scheduler=lambda msg: transport.send(events, msg))
+        send_to_scheduler=lambda msg: transport.send(events, msg),
+        breadcrumb=Breadcrumb(cfg.ipc.breadcrumb_file("detokenizer")), faults=role.faults)
 
     def shutdown(msg: messages.Shutdown, _peer=None) -> None:
         log.info("stop (%s)", msg.reason or "shutdown")
@@ -68,6 +70,7 @@ def main() -> int:
     except (KeyboardInterrupt, _Stop):
         return 0
     finally:
+        service.breadcrumb.close()
         for s in (inbox, clients, events, control):
             s.close(0)
         ctx.term()

@@ -18,8 +18,9 @@ from pagedserve.pipeline.ingress.reasoning import answer_only
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
 from pagedserve.pipeline.ingress.tools import ToolPlan, plan_tools
-from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_json_object,
-                                         resolve_max_tokens, validated_params)
+from pagedserve.pipeline.ingress.json_body import decode_json_object
+from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_body,
+                                                    resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 
@@ -48,8 +49,18 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | 
 
 async def create_chat_completion(ctx: IngressContext, request: Request) -> Response:
     arrival = ctx.clock()
-    req = parse_request(ChatCompletionRequest,
-                        await read_json_object(request, ctx.max_request_bytes))
+    body = await read_body(request, ctx.max_request_bytes)
+    key = ctx.guard.admit(request.url.path, body)
+    with ctx.guard.section(key):  # up to the engine request: synchronous work only
+        req, engine_request, ticket, view = _prepare(ctx, body, key)
+    return await respond(request, ctx, [engine_request], ticket, view, stream=req.stream,
+                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
+
+
+def _prepare(ctx: IngressContext, body: bytes, key: str):
+    """Parse and check the body, render and tokenize the messages: (the request, its engine
+    request, its admission ticket, the view that shapes its output)."""
+    req = parse_request(ChatCompletionRequest, decode_json_object(body))
     check_model_name(req.model, ctx.served_model_names)
     req.check()
     tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
@@ -70,6 +81,7 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
     ticket = ctx.admit(1)  # before rendering and tokenizing
     try:
         ids = render_chat(ctx.tokenizer, req, tool_plan.tools if tool_plan else None)
+        ctx.guard.poison(ids)
         max_tokens = resolve_max_tokens(len(ids), requested, default=None,
                                         max_model_len=ctx.max_model_len, prompt_param="messages",
                                         max_tokens_param=max_tokens_param)
@@ -80,17 +92,16 @@ async def create_chat_completion(ctx: IngressContext, request: Request) -> Respo
         ticket.release()
         raise
     engine_request = EngineRequest(new_request_id("chatcmpl"), ids, params)
-    view = _ChatView(ctx, req, engine_request, tool_plan)
-    return await respond(request, ctx, [engine_request], ticket, view, stream=req.stream,
-                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
+    return req, engine_request, ticket, _ChatView(ctx, req, engine_request, tool_plan, key)
 
 
 class _ChatView:
     """Shapes engine deltas into OpenAI chat completion responses and chunks."""
 
     def __init__(self, ctx: IngressContext, req: ChatCompletionRequest, engine_request: EngineRequest,
-                 tool_plan: ToolPlan | None = None):
+                 tool_plan: ToolPlan | None = None, key: str = ""):
         self.ctx = ctx
+        self.key = key  # the request's quarantine key (request_guard.py)
         self.req = req
         self.shapers = [ChoiceShaper(tool_plan, ctx.reasoning_parser)
                         for _ in range(engine_request.params.n)]
@@ -113,12 +124,14 @@ class _ChatView:
         return out
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": s.index,
-                    "message": self.shapers[s.index].message(s.text),
-                    "logprobs": self._logprobs(s.token_ids, s.logprobs, s.top_logprobs),
-                    "finish_reason": self.shapers[s.index].finish_reason(s.text, s.finish_reason),
-                    "stop_reason": s.stop_reason}
-                   for s in out.outputs]
+        with self.ctx.guard.section(self.key):
+            choices = [{"index": s.index,
+                        "message": self.shapers[s.index].message(s.text),
+                        "logprobs": self._logprobs(s.token_ids, s.logprobs, s.top_logprobs),
+                        "finish_reason": self.shapers[s.index].finish_reason(s.text,
+                                                                             s.finish_reason),
+                        "stop_reason": s.stop_reason}
+                       for s in out.outputs]
         body = {"id": out.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(out.prompt_token_ids),
@@ -152,7 +165,9 @@ class _ChatView:
             if shaper.plain:
                 parts = [{"content": delta.text}] if delta.text else [{}]
             else:  # reasoning and tool calls: as many deltas as the text makes, maybe none
-                parts = shaper.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
+                with self.ctx.guard.section(self.key):
+                    parts = shaper.deltas(delta.text, final=delta.finish_reason is not None)
+                parts = parts or [{}]
             for k, part in enumerate(parts):
                 last = k == len(parts) - 1
                 if not (part or last):

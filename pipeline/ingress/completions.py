@@ -15,15 +15,27 @@ from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id
 from pagedserve.pipeline.ingress.logprobs import CompletionLogprobs
 from pagedserve.pipeline.ingress.protocol import CompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
+from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
-                                         check_token_ids, parse_request, read_json_object,
-                                         resolve_max_tokens, validated_params)
+                                                    check_token_ids, parse_request, read_body,
+                                                    resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 
 async def create_completion(ctx: IngressContext, request: Request) -> Response:
     arrival = ctx.clock()
-    req = parse_request(CompletionRequest, await read_json_object(request, ctx.max_request_bytes))
+    body = await read_body(request, ctx.max_request_bytes)
+    key = ctx.guard.admit(request.url.path, body)
+    with ctx.guard.section(key):  # up to the engine requests: synchronous work only
+        req, engine_requests, ticket, view = _prepare(ctx, body)
+    return await respond(request, ctx, engine_requests, ticket, view, stream=req.stream,
+                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
+
+
+def _prepare(ctx: IngressContext, body: bytes):
+    """Parse and check the body, tokenize the prompts: (the request, its engine requests,
+    their admission ticket, the view that shapes their output)."""
+    req = parse_request(CompletionRequest, decode_json_object(body))
     check_model_name(req.model, ctx.served_model_names)
     req.check()
     prompts = req.prompts()
@@ -50,6 +62,7 @@ async def create_completion(ctx: IngressContext, request: Request) -> Response:
                 check_token_ids(prompt, ctx.vocab_size, "prompt")
                 ids = list(prompt)
                 prompt_texts.append(ctx.tokenizer.decode(ids) if req.echo else "")
+            ctx.guard.poison(ids)
             max_tokens = resolve_max_tokens(
                 len(ids), requested, default=DEFAULT_COMPLETION_MAX_TOKENS,
                 max_model_len=ctx.max_model_len, prompt_param="prompt",
@@ -63,8 +76,7 @@ async def create_completion(ctx: IngressContext, request: Request) -> Response:
         raise
     view = _CompletionView(ctx, req, request_id, engine_requests,
                            prompt_texts if req.echo else [""] * len(prompts))
-    return await respond(request, ctx, engine_requests, ticket, view, stream=req.stream,
-                         arrival=arrival, priority=req.priority or 0, cache_salt=req.cache_salt)
+    return req, engine_requests, ticket, view
 
 
 class _CompletionView:

@@ -11,6 +11,7 @@ from typing import Any
 from pagedserve.pipeline.ingress.admission import AdmissionController
 from pagedserve.pipeline.ingress.errors import overloaded
 from pagedserve.pipeline.ingress.metrics import IngressMetrics
+from pagedserve.pipeline.ingress.request_guard import RequestGuard
 from pagedserve.pipeline.ingress.tokens import TokenText
 
 log = logging.getLogger("pagedserve.ingress")
@@ -35,6 +36,7 @@ class IngressContext:
     tool_call_parser: str | None = None   # --tool-call-parser
     reasoning_parser: str | None = None   # --reasoning-parser
     clock: Callable[[], float] = time.monotonic
+    guard: RequestGuard = field(default_factory=RequestGuard)  # quarantine (request_guard.py)
     metrics: IngressMetrics = field(init=False)
     token_text: TokenText = field(init=False)
     _stats_task: asyncio.Task | None = field(default=None, init=False)

@@ -16,6 +16,7 @@ import uvloop
 import zmq
 
 from pagedserve import transport
+from pagedserve.breadcrumb import Breadcrumb, load_keys
 from pagedserve.lifecycle import start_role
 from pagedserve.pipeline.graceful_server import GracefulServer
 from pagedserve.pipeline import messages
@@ -59,6 +60,7 @@ def build_server(cfg, faults=None) -> GracefulServer:
     from pagedserve.pipeline.ingress.app import build_app
     from pagedserve.pipeline.ingress.context import IngressContext
     from pagedserve.pipeline.ingress.limits import uvicorn_settings
+    from pagedserve.pipeline.ingress.request_guard import RequestGuard
     from pagedserve.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model_info.tokenizer_dir,
@@ -66,6 +68,8 @@ def build_server(cfg, faults=None) -> GracefulServer:
     engine = AsyncEngineClient(cfg.ipc.frontend_addr, cfg.ipc.output_addr,
                                connect_timeout=cfg.env.ready_timeout)
     ctx = IngressContext.from_config(cfg, engine, tokenizer)
+    ctx.guard = RequestGuard(Breadcrumb(cfg.ipc.breadcrumb_file("ingress")),
+                             load_keys(cfg.ipc.quarantine_file("ingress")), faults)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -132,6 +136,7 @@ def main() -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    server.config.app.state.ctx.guard.breadcrumb.close()
     log.info("stop")
     return 0
 

@@ -38,6 +38,11 @@ def too_large(limit: int) -> APIError:
 async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, refusing more than `limit` bytes before reading them all, and
     a body that takes longer than limits.BODY_TIMEOUT_S to arrive (a client trickling it)."""
+    return decode_json_object(await read_body(request, limit))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes, bounded as read_json_object says."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
@@ -46,7 +51,7 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {limits.BODY_TIMEOUT_S:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
-    return decode_json_object(raw)
+    return raw
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -394,6 +394,8 @@ class SchedulerProcess:
             self.lose_workers(msg.cause, msg.attributable)
         else:
             self.service.roles_down[msg.role] = msg.cause
+            if msg.role == "detokenizer" and msg.suspect:
+                self.service.quarantine(msg.suspect, msg.cause)
 
     def _on_unknown_message(self, msg: messages.UnknownMessage, _peer) -> None:
         if self.service is None:

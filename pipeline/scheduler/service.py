@@ -22,6 +22,7 @@ CLIENT_TIMEOUT_S = 5.0  # a client silent this long (no heartbeat) is gone: abor
 # How long a finished request's outputs are kept for a re-feed: a detokenizer that died (or hung,
 # found by its missing heartbeats) before delivering them gets them again from its successor.
 RETAIN_FINISHED_S = 20.0
+QUARANTINED_IDS = 1024  # request ids remembered as having ended the detokenizer
 
 
 _INDEX = attrgetter("index")
@@ -91,6 +92,7 @@ class SchedulerService:
         # incarnation. /metrics shows them as pagedserve:process_restarts.
         self.restarts: dict[str, int] = {}
         self.foreign_aborts = 0  # aborts a client sent for requests it does not own (ignored)
+        self.quarantined: dict[str, str] = {}  # request id -> why (it ended the detokenizer)
 
     @property
     def healthy(self) -> bool:
@@ -135,6 +137,10 @@ class SchedulerService:
         self.seen(client_id)
         if msg.resubmitted and self._holds(client_id, msg.request_id):
             return  # the client could not tell whether we had it: we have
+        if msg.request_id in self.quarantined:  # resubmitted before it heard of the failure
+            self.send_to_client(client_id, messages.RequestFailed(
+                msg.request_id, 500, self.quarantined[msg.request_id]))
+            return
         if self.draining:
             self.send_to_client(client_id, messages.RequestRejected(
                 msg.request_id, 503, "the server is shutting down and accepts no new requests"))
@@ -244,6 +250,25 @@ class SchedulerService:
             del self.last_seen[cid]
         rids = [rid for rid, o in self.owners.items() if o.client_id in gone]
         self.on_abort(rids)
+
+    def quarantine(self, request_id: str, cause: str) -> None:
+        """The detokenizer died working on this request (its breadcrumb named it): fail it
+        alone, before the re-feed would hand it to the next detokenizer; a client's
+        resubmission of it is failed too."""
+        owner = self.owners.get(request_id)
+        if owner is not None:
+            self.on_abort([request_id])  # finishes it: a finished entry, popped below
+            self.owners.pop(request_id, None)
+        finished = self.finished.pop(request_id, None)
+        client = owner or (finished.owner if finished is not None else None)
+        self.quarantined[request_id] = (f"the detokenizer {cause} while working on this "
+                                        "request; it is not retried (quarantined), and the "
+                                        "server goes on")
+        while len(self.quarantined) > QUARANTINED_IDS:
+            self.quarantined.pop(next(iter(self.quarantined)))
+        if client is not None:
+            self.send_to_client(client.client_id, messages.RequestFailed(
+                request_id, 500, self.quarantined[request_id]))
 
     def refeed_detokenizer(self) -> None:
         """A restarted detokenizer knows nothing: reopen every live request, and every one that
