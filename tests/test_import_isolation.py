@@ -4,6 +4,7 @@ folder once shadowed Hugging Face's `kernels`, which transformers imports (issue
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,14 @@ def test_a_hand_started_module_from_the_root_drops_it():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "" not in json.loads(done.stdout) and str(ROOT) not in json.loads(done.stdout)
+
+
+def test_the_whole_suite_collects_beside_packages_named_like_our_folders(tmp_path):
+    """As scripts/test.sh starts pytest, with Hugging Face's `kernels` in the venv and packages
+    named `pipeline`, `workers` and `kvmanager` on the path: every test module collects."""
+    env = envs.child_environ(PYTHONPATH=str(_shadows(tmp_path)))
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert re.search(r"^\d{4,} tests collected", done.stdout, re.M), done.stdout[-1000:]
