@@ -394,4 +394,5 @@ class SchedulerService:
                                   if self.grammar_gate is not None else []),
             "num_requests_compiling": len(self.grammar_gate.held) if self.grammar_gate else 0,
             "grammar_tables_ready": bool(self.grammar_gate and self.grammar_gate.compiler.ready),
+            "grammar_compiler_warm": bool(self.grammar_gate and self.grammar_gate.compiler.warmed),
         }

@@ -146,9 +146,12 @@ class CompilePool:
         self._put((spec, future))
         return future
 
-    def warm(self) -> None:
-        """Start one process now, so the first structured request does not wait for it."""
-        self._put((_WARM, None))
+    def warm(self) -> Future:
+        """Start one process now, so the first structured request does not wait for it; the
+        future is done once the process has started (or failed to)."""
+        future: Future = Future()
+        self._put((_WARM, future))
+        return future
 
     def close(self) -> None:
         """Cancel what waits; end the slots, killing their processes."""
@@ -159,7 +162,7 @@ class CompilePool:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job is not None and job[1] is not None:
+                if job is not None:
                     job[1].cancel()
             for _ in range(self._slots):
                 self._jobs.put(None)
@@ -204,8 +207,8 @@ class CompilePool:
             if process is not None:
                 process.kill()
 
-    def _job(self, slot: int, spec, future: Future | None) -> None:
-        if spec is not _WARM and not future.set_running_or_notify_cancel():
+    def _job(self, slot: int, spec, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
             return  # forgotten while queued: no request waits for it any more
         result = error = None
         try:
@@ -221,8 +224,6 @@ class CompilePool:
         process = self._processes.get(slot)
         if process is not None and process.proc.poll() is not None:
             self._processes.pop(slot).kill()  # ended or killed: the next job starts a fresh one
-        if future is None:
-            return
         if error is not None:  # after the clean-up above, which a waiter may then observe
             future.set_exception(error)
         else:

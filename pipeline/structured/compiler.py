@@ -45,6 +45,7 @@ class GrammarCompiler:
                                  timeout_s=lambda: self.timeout_s)
         self._info_lock = threading.Lock()
         self._info = None
+        self._warmed: Future | None = None  # warm()'s compile process start
         self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()
         self.compile_seconds: list[float] = []  # one per compile, for benchmarks
         self.utf8_guard: Utf8Guard | None = None  # built with the vocabulary, off the step loop
@@ -55,10 +56,16 @@ class GrammarCompiler:
         on a first start)."""
         def build():
             self._tokenizer_info()
-            self._pool.warm()
+            self._warmed = self._pool.warm()
         thread = threading.Thread(target=build, name="grammar-warm", daemon=True)
         thread.start()
         return thread
+
+    @property
+    def warmed(self) -> bool:
+        """Whether warm() has done its one-time work: the tables built and a compile process
+        started (or its start failed: the first compile then tries again)."""
+        return self._warmed is not None and self._warmed.done()
 
     @property
     def ready(self) -> bool:
