@@ -5,7 +5,7 @@ from pagedserve.kvmanager.block_pool import Block, BlockPool, NoFreeBlocksError
 from pagedserve.kvmanager.free_queue import FreeBlockQueue
 from pagedserve.kvmanager.hashing import BlockHash, hash_block_tokens, hash_full_blocks
 from pagedserve.kvmanager.manager import KVCacheManager, KVStats
-from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.shm_tables import SharedBlockTables
 
 __all__ = [
     "Block", "BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheManager", "KVStats",

@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 from pagedserve.kvmanager import prefix_cache
 from pagedserve.kvmanager.block_pool import BlockPool, NoFreeBlocksError
 from pagedserve.kvmanager.seq_blocks import KVStats, SeqBlocks
-from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.shm_tables import SharedBlockTables
 from pagedserve.kvmanager.swap import (
     link_pools,
     live_part,

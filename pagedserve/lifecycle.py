@@ -11,12 +11,14 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from pagedserve import envs
 from pagedserve.faults import FaultInjector, parse
-from pagedserve.pipeline.config import EngineConfig
 from pagedserve.private_files import PrivateFileError
+
+if TYPE_CHECKING:
+    from pagedserve.pipeline.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -43,6 +45,9 @@ def start_role(kind: str, description: str, argv: list[str] | None = None) -> Ro
     p.add_argument("--incarnation", type=int, default=0,
                    help="how many times the launcher restarted this role before")
     ns = p.parse_args(argv)
+    # The config is a contract above the ground (pipeline/config.py), so the ground names it
+    # only here, where a role reads its hand-off: no module of the ground loads it at import.
+    from pagedserve.pipeline.config import EngineConfig
     try:
         config = EngineConfig.from_file(ns.config_file)
     except PrivateFileError as exc:

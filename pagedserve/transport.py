@@ -1,10 +1,12 @@
 """The transport every role shares: ZeroMQ sockets, the wire framing, and dispatch.
 
 Every message is [type tag, msgpack payload] (after any ROUTER identity). The tag is the message
-class name from `pagedserve.pipeline.messages`; the payload is standard msgpack (msgspec's
-encoder), so any language's msgpack library can read the wire. Never pickle.
+class name (the classes of `pagedserve.pipeline.messages`); the payload is standard msgpack
+(msgspec's encoder), so any language's msgpack library can read the wire. Never pickle.
 
-Each process hands what it receives to a `Dispatcher`: its {message type: handler} table. A
+The transport knows no message module: the messages are contracts above it. A receiver says
+which types it takes: each process hands what it receives to a `Dispatcher`, its {message type:
+handler} table, which decodes exactly those types; other readers build a `Codec` of theirs. A
 message no handler takes - an unknown tag, a bad payload, or a type this role does not handle -
 is logged and counted, never dropped silently.
 """
@@ -13,20 +15,14 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any
 
 import msgspec
 import zmq
 
-from pagedserve.pipeline import messages
-
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS: dict[bytes, msgspec.msgpack.Decoder] = {
-    name.encode(): msgspec.msgpack.Decoder(cls)
-    for name, cls in vars(messages).items()
-    if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__
-}
 
 
 class WireError(ValueError):
@@ -39,20 +35,6 @@ class WireError(ValueError):
 
 def encode(msg: msgspec.Struct) -> list[bytes]:
     return [type(msg).__name__.encode(), _ENCODER.encode(msg)]
-
-
-def decode(frames: list[bytes]) -> Any:
-    if len(frames) != 2:
-        raise WireError(f"expected 2 frames [tag, payload], got {len(frames)}",
-                        f"<{len(frames)} frames>")
-    tag = bytes(frames[0])[:40].decode(errors="replace")
-    decoder = _DECODERS.get(bytes(frames[0]))
-    if decoder is None:
-        raise WireError(f"unknown message tag {tag!r}", tag)
-    try:
-        return decoder.decode(frames[1])
-    except msgspec.DecodeError as exc:
-        raise WireError(f"bad {tag} payload: {exc}", tag) from exc
 
 
 def send(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes | None = None, flags: int = 0) -> None:
@@ -75,13 +57,43 @@ def send_to_peer(sock: zmq.Socket, msg: msgspec.Struct, identity: bytes) -> bool
     return True
 
 
-def recv(sock: zmq.Socket, flags: int = 0) -> Any:
-    return decode(sock.recv_multipart(flags=flags))
+def message_types(module: ModuleType) -> list[type[msgspec.Struct]]:
+    """The message classes `module` defines (its msgspec Structs), e.g. every message of
+    pipeline/messages.py for a reader that takes them all."""
+    return [cls for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, msgspec.Struct)
+            and cls.__module__ == module.__name__]
 
 
-def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Any]:
-    frames = sock.recv_multipart(flags=flags)
-    return frames[0], decode(frames[1:])
+class Codec:
+    """Decodes the frames of the message types it was given; a tag of another type is a
+    WireError, as a bad payload is."""
+
+    def __init__(self, types: Iterable[type[msgspec.Struct]]) -> None:
+        self._decoders = {cls.__name__.encode(): msgspec.msgpack.Decoder(cls) for cls in types}
+
+    def takes(self, tag: bytes) -> bool:
+        return bytes(tag) in self._decoders
+
+    def decode(self, frames: list[bytes]) -> Any:
+        if len(frames) != 2:
+            raise WireError(f"expected 2 frames [tag, payload], got {len(frames)}",
+                            f"<{len(frames)} frames>")
+        tag = bytes(frames[0])[:40].decode(errors="replace")
+        decoder = self._decoders.get(bytes(frames[0]))
+        if decoder is None:
+            raise WireError(f"unknown message tag {tag!r}", tag)
+        try:
+            return decoder.decode(frames[1])
+        except msgspec.DecodeError as exc:
+            raise WireError(f"bad {tag} payload: {exc}", tag) from exc
+
+    def recv(self, sock: zmq.Socket, flags: int = 0) -> Any:
+        return self.decode(sock.recv_multipart(flags=flags))
+
+    def recv_routed(self, sock: zmq.Socket, flags: int = 0) -> tuple[bytes, Any]:
+        frames = sock.recv_multipart(flags=flags)
+        return frames[0], self.decode(frames[1:])
 
 
 # No message of ours comes near this (a plan of 256 new 8k-token sequences is ~10 MB): a
@@ -127,18 +139,30 @@ def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
 
 class Dispatcher:
     """One process's {message type: handler} table: `dispatch(msg, *args)` calls
-    `handlers[type(msg)](msg, *args)`. A message of no listed type, or one that did not decode
-    (`reject`), is logged - the first of each type at WARNING - and counted in `unknown`; the
-    optional `report(tag, reason)` tells someone who exports metrics (the scheduler)."""
+    `handlers[type(msg)](msg, *args)`; `receive` decodes frames of the listed types only (a new
+    table given to `handlers` changes what it decodes). A message of no listed type, or one that
+    did not decode (`reject`), is logged - the first of each type at WARNING - and counted in
+    `unknown`; the optional `report(tag, reason)` tells someone who exports metrics (the
+    scheduler)."""
 
     def __init__(self, role: str, handlers: dict[type, Callable[..., Any]], *,
                  log: logging.Logger | None = None,
                  report: Callable[[str, str], None] | None = None) -> None:
         self.role = role
-        self.handlers = dict(handlers)
+        self.handlers = handlers
         self.log = log or logging.getLogger(f"pagedserve.{role}")
         self.report = report
         self.unknown: Counter[str] = Counter()
+
+    @property
+    def handlers(self) -> dict[type, Callable[..., Any]]:
+        return self._handlers
+
+    @handlers.setter
+    def handlers(self, table: dict[type, Callable[..., Any]]) -> None:
+        """A new table; the codec follows it (decodes the types it handles, no others)."""
+        self._handlers = dict(table)
+        self.codec = Codec(self._handlers)
 
     def dispatch(self, msg: Any, *args: Any) -> Any:
         handler = self.handlers.get(type(msg))
@@ -153,8 +177,13 @@ class Dispatcher:
         `routed`: it starts with the sender's identity (a ROUTER's). `with_sender` (default:
         `routed`): pass the sender (None when not routed) to the handler."""
         sender = frames[0] if routed else None
+        body = frames[1:] if routed else frames
+        if len(body) == 2 and not self.codec.takes(body[0]):
+            self.reject(bytes(body[0])[:40].decode(errors="replace"),
+                        f"{self.role} has no handler for it")
+            return None
         try:
-            msg = decode(frames[1:] if routed else frames)
+            msg = self.codec.decode(body)
         except WireError as exc:
             self.reject(exc.tag, f"undecodable: {exc}")
             return None

@@ -121,7 +121,7 @@ class AsyncEngineClient:
         while True:
             transport.send(self._output, messages.Hello(self.client_id))
             if await self._output.poll(250):
-                msg = transport.decode(await self._output.recv_multipart())
+                msg = self.dispatcher.codec.decode(await self._output.recv_multipart())
                 if isinstance(msg, messages.HelloAck):
                     break
             if time.monotonic() > deadline:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve import envs
 from pagedserve.envs import Environment
-from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+from pagedserve.pipeline.speculative_config import SpeculativeConfig
 from pagedserve.private_files import read_private, write_private
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf", "awq", "gptq")

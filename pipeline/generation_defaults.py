@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from pagedserve.pipeline.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 
 MODES = ("auto", "vllm")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 
 logger = logging.getLogger("pagedserve.tokenizer")
 

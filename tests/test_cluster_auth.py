@@ -13,6 +13,8 @@ from pagedserve import cluster_auth, cluster_net, transport
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import ClusterArgs, IpcArgs, ParallelArgs
 
+WIRE = transport.Codec(transport.message_types(messages))  # reads every message
+
 
 def write_secret(tmp_path, text=b"0123456789abcdef-secret", mode=0o600):
     path = tmp_path / "secret"
@@ -71,7 +73,7 @@ def test_only_a_peer_with_the_secret_gets_through_and_refusals_are_logged(caplog
                 except zmq.Again:
                     pass       # no connected peer to queue it for: the handshake failed
             assert server.poll(5000)
-            sender, msg = transport.recv_routed(server)
+            sender, msg = WIRE.recv_routed(server)
             assert (sender, msg) == (b"good", messages.Heartbeat("worker", 1))
             assert not server.poll(1500)             # nothing from the others
             deadline = time.monotonic() + 5
@@ -113,7 +115,7 @@ def test_a_client_key_off_the_allow_list_is_refused_even_with_the_servers_key():
             pass
         transport.send(peers[1], messages.Heartbeat("worker", 1))
         assert server.poll(5000)
-        assert transport.recv_routed(server) == (b"good", messages.Heartbeat("worker", 1))
+        assert WIRE.recv_routed(server) == (b"good", messages.Heartbeat("worker", 1))
         assert not server.poll(1500)
         allow_list = cluster_auth.allow_only(ctx, keys.client_public)
         assert allow_list.refused >= 1 and allow_list.allowed == {keys.client_public}

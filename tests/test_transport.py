@@ -7,6 +7,8 @@ import zmq
 from pagedserve import transport
 from pagedserve.pipeline import messages
 
+WIRE = transport.Codec(transport.message_types(messages))  # reads every message
+
 
 def test_reply_to_a_gone_peer_is_dropped(tmp_path):
     ctx = zmq.Context()
@@ -16,10 +18,10 @@ def test_reply_to_a_gone_peer_is_dropped(tmp_path):
     try:
         msg = messages.Abort(["r1"])
         transport.send(dealer, msg)
-        identity, got = transport.recv_routed(router)
+        identity, got = WIRE.recv_routed(router)
         assert identity == b"client" and got == msg
         assert transport.send_to_peer(router, msg, b"client")
-        assert transport.recv(dealer) == msg
+        assert WIRE.recv(dealer) == msg
         assert not transport.send_to_peer(router, msg, b"nobody")   # gone: dropped, no exception
     finally:
         dealer.close()
@@ -56,10 +58,10 @@ def test_a_failing_report_does_not_take_the_receiver_down():
 
 def test_undecodable_frames_name_their_tag():
     with pytest.raises(transport.WireError) as err:
-        transport.decode([b"NoSuchMessage", b"\x80"])
+        WIRE.decode([b"NoSuchMessage", b"\x80"])
     assert err.value.tag == "NoSuchMessage"
     with pytest.raises(transport.WireError) as err:
-        transport.decode([b"Abort", b"\xc1"])
+        WIRE.decode([b"Abort", b"\xc1"])
     assert err.value.tag == "Abort"
 
 
@@ -87,7 +89,7 @@ def test_an_oversized_frame_drops_its_sender_not_the_receiver(tmp_path):
         big.send_multipart([b"Abort", b"\x00" * 10_000])
         transport.send(small, messages.Abort(["ok"]))
         assert router.poll(5000)
-        identity, msg = transport.recv_routed(router)
+        identity, msg = WIRE.recv_routed(router)
         assert identity == b"small" and msg == messages.Abort(["ok"])
         assert not router.poll(300)  # the oversized frame never arrived
     finally:
@@ -105,7 +107,7 @@ def test_a_client_that_does_not_read_is_skipped_not_waited_for(tmp_path):
     try:
         transport.send(idle, messages.Abort(["hello"]))  # the router learns its identity
         assert router.poll(5000)
-        transport.recv_routed(router)
+        WIRE.recv_routed(router)
         payload = messages.Abort(["x" * 10_000])
         start, sent = time.monotonic(), 0
         while transport.send_to_peer(router, payload, b"idle"):
@@ -116,3 +118,20 @@ def test_a_client_that_does_not_read_is_skipped_not_waited_for(tmp_path):
         router.close(0)
         idle.close(0)
         ctx.term()
+
+
+def test_a_dispatcher_decodes_only_the_types_it_handles():
+    """The transport knows no message module: a role's table says what it decodes, and another
+    message's frame is counted as one it has no handler for."""
+    from pagedserve.transport import Dispatcher
+
+    d = Dispatcher("tester", {messages.Abort: lambda msg: None})
+    assert d.codec.takes(b"Abort") and not d.codec.takes(b"Shutdown")
+    d.receive(transport.encode(messages.Shutdown("x")))
+    assert d.unknown == {"Shutdown": 1}
+    got = []
+    d.handlers = {**d.handlers, messages.Shutdown: got.append}  # a new table: decoded too
+    d.receive(transport.encode(messages.Shutdown("x")))
+    assert got == [messages.Shutdown("x")] and d.unknown == {"Shutdown": 1}
+    assert transport.Codec([messages.Abort]).decode(transport.encode(messages.Abort(["a"]))) \
+        == messages.Abort(["a"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.progress import Progress
 
 logger = logging.getLogger("pagedserve.loader")

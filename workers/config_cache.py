@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from pagedserve.cache_files import cache_key, package_version, read_cached, write_text_atomic
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig
 
 log = logging.getLogger(__name__)

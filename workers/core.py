@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
-from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.shm_tables import SharedBlockTables
 from pagedserve.pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.kv_cache import allocate_swap_pool

@@ -6,7 +6,7 @@ with the field and value that is the problem.
 """
 from __future__ import annotations
 
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

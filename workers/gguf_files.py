@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 
 # The loader's logger: converting is a step of loading a model, and its log lines keep that name.
 logger = logging.getLogger("pagedserve.loader")

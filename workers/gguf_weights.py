@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.quant_formats import QType, QuantizedWeight
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.gguf_files import gguf_tensors
-from pagedserve.workers.load_error import ModelLoadError
 
 logger = logging.getLogger("pagedserve.loader")
 

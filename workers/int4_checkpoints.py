@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 from pagedserve.kernels.quant_formats import QType, QuantizedWeight
-from pagedserve.workers.load_error import ModelLoadError
-from pagedserve.workers.loader import weight_files
+from pagedserve.pipeline.load_error import ModelLoadError
+from pagedserve.workers.checkpoint_files import weight_files
 
 GROUP_SIZES = (32, 64, 128, -1)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)           # packed position i holds column AWQ_ORDER[i]

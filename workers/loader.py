@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pagedserve.pipeline.load_error import ModelLoadError
+from pagedserve.workers.checkpoint_files import read_json, weight_files
 from pagedserve.workers.config_cache import model_config_from_dict
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, TEST_MODEL, builtin_gguf  # noqa: F401
 from pagedserve.workers.gguf_files import check_gguf, convert_gguf, gguf_source
-from pagedserve.workers.load_error import ModelLoadError
 # ModelConfig and the architecture table live in workers/model_config.py; re-exported here.
 from pagedserve.workers.model_config import ARCHITECTURES, ModelConfig  # noqa: F401
 from pagedserve.workers.model_config import id_tuple as _id_tuple
@@ -42,7 +43,7 @@ CACHE_MARKER = ".pagedserve-cache.json"  # written last; its presence marks a co
 def load_config(model_dir: str | Path) -> ModelConfig:
     """config.json -> ModelConfig; EOS ids also take generation_config.json's and the tokenizer's."""
     model_dir = Path(model_dir)
-    raw = _read_json(model_dir / "config.json", model_dir, "config.json")
+    raw = read_json(model_dir / "config.json", model_dir, "config.json")
     try:
         config = model_config_from_dict(raw, default_cache_dir())
     except ModelLoadError as e:
@@ -53,7 +54,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     eos = list(config.eos_token_ids)
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        eos += _id_tuple(_read_json(gen_path, model_dir, gen_path.name).get("eos_token_id"))
+        eos += _id_tuple(read_json(gen_path, model_dir, gen_path.name).get("eos_token_id"))
     eos += _tokenizer_eos_id(model_dir)
     return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
 
@@ -63,11 +64,11 @@ def _tokenizer_eos_id(model_dir: Path) -> tuple[int, ...]:
     tok_cfg, tok_json = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
     if not (tok_cfg.is_file() and tok_json.is_file()):
         return ()
-    eos = _read_json(tok_cfg, model_dir, tok_cfg.name).get("eos_token")
+    eos = read_json(tok_cfg, model_dir, tok_cfg.name).get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if not eos:
         return ()
-    tokenizer = _read_json(tok_json, model_dir, tok_json.name)
+    tokenizer = read_json(tok_json, model_dir, tok_json.name)
     for added in tokenizer.get("added_tokens", []):
         if added.get("content") == eos:
             return (added["id"],)
@@ -75,45 +76,13 @@ def _tokenizer_eos_id(model_dir: Path) -> tuple[int, ...]:
     return (vocab[eos],) if isinstance(vocab, dict) and eos in vocab else ()
 
 
-def _read_json(path: Path, model_dir: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"{model_dir}: no {what} in this directory") from e
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{model_dir}: {what} is unreadable or not JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{model_dir}: {what} must hold a JSON object")
-    return data
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files holding the weights (the shard index's files when there is one)."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index, model_dir, index.name).get("weight_map") or {}
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing or not files:
-            raise ModelLoadError(f"{model_dir}: {index.name} lists missing shards "
-                                 f"{missing or '(none listed)'}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
-            p.name for p in model_dir.glob("*.pt*"))
-        hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
-        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
-    return files
-
-
 def checkpoint_quantization(model_dir: str | Path) -> str | None:
     """The format a checkpoint's weights are quantized in: gguf, awq, gptq, or None."""
     if gguf_source(Path(model_dir)) is not None:
         return "gguf"
+    # int4_checkpoints loads torch, which the launcher resolving a model does not need
     from pagedserve.workers.int4_checkpoints import detect_quantization
-    return detect_quantization(_read_json(Path(model_dir) / "config.json", Path(model_dir),
+    return detect_quantization(read_json(Path(model_dir) / "config.json", Path(model_dir),
                                           "config.json"))
 
 
@@ -144,10 +113,10 @@ def iter_weights(model_dir: str | Path, dtype: "torch.dtype | None" = None,  # n
     gguf_path = gguf_source(model_dir)
     if gguf_path is not None:
         from pagedserve.workers.gguf_weights import iter_gguf_weights
-        config = _read_json(model_dir / "config.json", model_dir, "config.json")
+        config = read_json(model_dir / "config.json", model_dir, "config.json")
         yield from iter_gguf_weights(gguf_path, config, dtype, keep_quantized)
         return
-    config = _read_json(model_dir / "config.json", model_dir, "config.json")
+    config = read_json(model_dir / "config.json", model_dir, "config.json")
     from pagedserve.workers.int4_checkpoints import detect_quantization, iter_int4_weights
     if detect_quantization(config) is not None:
         for name, tensor in iter_int4_weights(model_dir, config):

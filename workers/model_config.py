@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers import family_configs
-from pagedserve.workers.load_error import ModelLoadError
 
 # HF model_type -> our architecture name (workers/models/ holds one module per name).
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+from pagedserve.pipeline.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 POLICIES = ("fcfs", "priority")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pagedserve.kvmanager import KVCacheManager, SharedBlockTables
-from pagedserve.kvmanager.shm_tables import NAME_PREFIX
+from pagedserve.shm_tables import NAME_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ import pytest
 
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.testing import make_test_context, make_tiny_tokenizer
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.pipeline.tokenizer import load_tokenizer, read_chat_template
-from pagedserve.workers.load_error import ModelLoadError
 
 # Gemma 3's turn format: no system role, so a system message is folded into the first user turn.
 GEMMA_STYLE = (

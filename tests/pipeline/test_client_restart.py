@@ -16,6 +16,8 @@ from pagedserve.pipeline import messages
 from pagedserve.pipeline.client import AsyncEngineClient
 from pagedserve.pipeline.sampling_params import SamplingParams
 
+WIRE = transport.Codec(transport.message_types(messages))  # reads every message
+
 
 class FakeEngine:
     """A scheduler ROUTER that answers health calls only once told its instance, and a
@@ -36,7 +38,7 @@ class FakeEngine:
     async def _serve_frontend(self) -> None:
         while True:
             client, *frames = await self.frontend.recv_multipart()
-            msg = transport.decode(frames)
+            msg = WIRE.decode(frames)
             if isinstance(msg, messages.AddRequest):
                 self.adds.append(msg)
             elif isinstance(msg, messages.UtilityCall) and msg.method == "health":
@@ -49,7 +51,7 @@ class FakeEngine:
     async def _serve_output(self) -> None:
         while True:
             client, *frames = await self.output.recv_multipart()
-            if isinstance(transport.decode(frames), messages.Hello):
+            if isinstance(WIRE.decode(frames), messages.Hello):
                 transport.send(self.output, messages.HelloAck(client), identity=client)
 
     def finish(self, client: bytes, request_id: str) -> None:

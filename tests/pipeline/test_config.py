@@ -123,7 +123,7 @@ def test_ipc_dir_is_created_private_or_refused_when_others_can_enter(tmp_path):
 def test_speculative_config_flag_takes_vllms_json_and_refuses_bad_settings():
     from pagedserve.pipeline.config import EngineConfig
     from pagedserve.pipeline.scheduler import SchedulerConfig
-    from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+    from pagedserve.pipeline.speculative_config import SpeculativeConfig
     cfg = _cfg("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
                                        '"prompt_lookup_max": 3}')
     assert cfg.scheduling.speculative_config == {"method": "ngram", "num_speculative_tokens": 4,

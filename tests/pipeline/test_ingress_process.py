@@ -21,6 +21,8 @@ from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import EngineConfig, ModelInfo
 from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
 
+WIRE = transport.Codec(transport.message_types(messages))  # reads every message
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +56,7 @@ class WireEngine(threading.Thread):
         next_step = time.monotonic()
         while not self._halt.is_set():
             for sock, _ in poller.poll(5):
-                identity, msg = transport.recv_routed(sock)
+                identity, msg = WIRE.recv_routed(sock)
                 self.handle(identity, msg)
             if time.monotonic() >= next_step:
                 self.step()
@@ -122,7 +124,7 @@ def group(tmp_path):
                              "--config-file", config_file, "--rank", "0"], cwd=ROOT)
     try:
         assert control.poll(120_000), "the ingress never reported ready"
-        ready = transport.recv(control)
+        ready = WIRE.recv(control)
         assert isinstance(ready, messages.ProcessReady)
         assert (ready.role, ready.rank, ready.pid) == ("ingress", 0, proc.pid)
         yield cfg, engine, proc

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import RequestRejected
 from pagedserve.pipeline.scheduler.sequence import Request
-from pagedserve.pipeline.scheduler.speculative import SpeculativeConfig
+from pagedserve.pipeline.speculative_config import SpeculativeConfig
 from sched_fakes import copying_next_token, expected_tokens, make_scheduler, window_next_token
 
 EOS = 7

@@ -8,7 +8,8 @@ import pytest
 
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler.sequence import Request
-from pagedserve.pipeline.scheduler.speculative import NgramIndex, SpeculativeConfig
+from pagedserve.pipeline.scheduler.speculative import NgramIndex
+from pagedserve.pipeline.speculative_config import SpeculativeConfig
 from pagedserve.pipeline.structured.spec import StructuredOutputs
 from sched_fakes import copying_next_token, drive, expected_tokens, make_scheduler
 

@@ -15,8 +15,8 @@ import pytest
 from pagedserve.workers import builtin_models, loader
 from pagedserve.workers.builtin_models import (BUILTIN_MODELS, BuiltinModel, Chunk, builtin_gguf,
                                                fetch)
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.gguf_files import GGUF_ARCHITECTURES, gguf_sampling_defaults
-from pagedserve.workers.load_error import ModelLoadError
 from pagedserve.workers.progress import Progress
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"middle part " * 50, b"\x00\xff" * 99]

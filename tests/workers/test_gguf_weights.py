@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pagedserve.kernels.quant_formats import QuantizedWeight
+from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.gguf_files import gguf_source
 from pagedserve.workers.gguf_weights import hf_name
-from pagedserve.workers.load_error import ModelLoadError
 from pagedserve.workers.loader import TEST_MODEL, iter_weights, resolve_model
 from pagedserve.workers.testing import hf_model_from_gguf
 

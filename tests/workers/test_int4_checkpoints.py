@@ -18,7 +18,7 @@ from pagedserve.workers.int4_checkpoints import (
     iter_int4_weights,
     repack_int4,
 )
-from pagedserve.workers.load_error import ModelLoadError
+from pagedserve.pipeline.load_error import ModelLoadError
 from safetensors.torch import save_file
 
 from int4_fixtures import (
