@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("launcher", config.env.log_level)
     envs.install(config.env)
-    from pagedserve.workers.load_error import ModelLoadError
+    from pagedserve.pipeline.load_error import ModelLoadError
     try:
         resolve_model(config)
     except ModelLoadError as exc:

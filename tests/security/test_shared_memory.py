@@ -1,5 +1,5 @@
 """A worker's shared swap pool (workers/kv_cache.py) and the scheduler's block tables
-(kvmanager/shm_tables.py): a name no other user can derive, created exclusively with mode 0600,
+(pagedserve/shm_tables.py): a name no other user can derive, created exclusively with mode 0600,
 and attached (by a restarted worker; by every worker for the tables) only when it is still ours
 and private: a segment planted under the name, or opened to others, is refused."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import stat
 import pytest
 import torch
 
-from pagedserve.kvmanager.shm_tables import SharedBlockTables
+from pagedserve.shm_tables import SharedBlockTables
 from pagedserve.pipeline.config import IpcArgs
 from pagedserve.private_files import PrivateFileError
 from pagedserve.workers.kv_cache import allocate_swap_pool
@@ -73,7 +73,7 @@ def test_a_segment_of_another_user_is_refused(segment, monkeypatch):
         allocate_swap_pool(KV_CACHE, 3, segment)
 
 
-# -- the scheduler's block tables (kvmanager/shm_tables.py): workers attach read-only ----------
+# -- the scheduler's block tables (pagedserve/shm_tables.py): workers attach read-only ----------
 def _plant_tables(name: str, mode: int) -> None:
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     os.fchmod(fd, mode)
