@@ -167,6 +167,8 @@ class SchedulingArgs:
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
     step_timeout: float = 120.0  # a step running longer means a hung worker group
+    # Wall time one grammar compile may take (its process is killed past it, the request 400s).
+    grammar_compile_timeout: float = 30.0
     # Plan a step of steady decodes while the workers compute the one before (one rank only:
     # pipeline/scheduler/lookahead.py).
     async_scheduling: bool = True
@@ -177,6 +179,9 @@ class SchedulingArgs:
         SpeculativeConfig.parse(self.speculative_config)  # refused here, before any process
         if self.step_timeout <= 0:
             raise ValueError(f"--step-timeout must be positive seconds, got {self.step_timeout}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("--grammar-compile-timeout must be positive seconds, got "
+                             f"{self.grammar_compile_timeout}")
         if self.preemption_mode not in ("swap", "recompute", "auto"):
             raise ValueError(f"--preemption-mode must be swap, recompute or auto, got {self.preemption_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -195,7 +200,8 @@ class ServerArgs:
     http: bool = True  # start the HTTP ingress
     max_request_bytes: int = 1 << 20
     # Chat: how tool calls are read from the output (pipeline/ingress/tool_parsers.py) and
-    # where the model's thinking ends (pipeline/ingress/reasoning.py); None: not parsed.
+    # where the model's thinking ends (pipeline/ingress/reasoning.py); None: not parsed (the
+    # tool-call parser: the ingress picks the one the chat template calls for, if any).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
@@ -478,6 +484,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                "workers compute this one (one worker rank; outputs unchanged)")
     p.add_argument("--step-timeout", type=float, default=d.scheduling.step_timeout,
                    help="seconds a step may take before the worker group counts as hung")
+    p.add_argument("--grammar-compile-timeout", type=float,
+                   default=d.scheduling.grammar_compile_timeout,
+                   help="seconds one structured-output grammar may take to compile (in its own "
+                        "bounded process, killed past it: the request gets a 400)")
     p.add_argument("--max-restarts", type=int, default=d.supervisor.max_restarts,
                    help="restarts of one role within --restart-window before giving up")
     p.add_argument("--restart-window", type=float, default=d.supervisor.restart_window)
@@ -492,7 +502,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-secret-file", default=None, help=argparse.SUPPRESS)  # the router's
     _bool_flag(p, "http", True, "start the OpenAI-compatible HTTP ingress")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="read tool calls from chat output in this format (tool_choice auto)")
+                   help="read tool calls from chat output in this format (tool_choice auto); "
+                        "default: the one the chat template calls for, if any")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="send a model's <think>...</think> as reasoning_content")
     p.add_argument("--ipc-dir", default="", help="folder for ipc:// sockets (default: a temp dir)")

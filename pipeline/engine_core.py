@@ -45,7 +45,9 @@ class EngineCore:
         self._mail: deque[tuple[transport.Dispatcher | None, Any, bytes | None]] = deque()
         self._outbox: list[Any] = []
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
-        gate = enable_structured_outputs(self.scheduler, config.model_info)
+        gate = enable_structured_outputs(
+            self.scheduler, config.model_info,
+            timeout_s=config.scheduling.grammar_compile_timeout)
         self.service = SchedulerService(
             self.scheduler, clock=clock, instance="in-process", grammar_gate=gate,
             send_to_client=lambda _client, msg: self._post(None, msg),

@@ -73,6 +73,7 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
             "--max-queued-requests", str(s.max_queued_requests),
             "--preemption-mode", s.preemption_mode, "--scheduling-policy", s.scheduling_policy,
             "--step-timeout", str(s.step_timeout),
+            "--grammar-compile-timeout", str(s.grammar_compile_timeout),
             "--max-restarts", str(config.supervisor.max_restarts),
             "--restart-window", str(config.supervisor.restart_window),
             "--heartbeat-timeout", str(config.supervisor.heartbeat_timeout),

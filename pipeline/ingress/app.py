@@ -12,10 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from pagedserve.pipeline.ingress.anthropic_messages import MESSAGES_MODELS, add_messages_route
 from pagedserve.pipeline.ingress.chat import create_chat_completion
 from pagedserve.pipeline.ingress.completions import create_completion
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError, error_body
+from pagedserve.pipeline.ingress.infill import InfillRequest, InfillResponse, add_infill_route
 from pagedserve.pipeline.ingress.limits import HeaderLimits
 from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSES,
                                                  LIMIT_ERRORS, METRICS_RESPONSES,
@@ -26,6 +28,8 @@ from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSE
                                                  request_body)
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.pipeline.ingress.replica_secret import ReplicaSecretCheck
+from pagedserve.pipeline.ingress.tokenize import REQUEST_MODELS as TOKENIZE_MODELS
+from pagedserve.pipeline.ingress.tokenize import add_token_routes
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -53,7 +57,9 @@ def build_app(ctx: IngressContext,
     if replica_secret is not None:
         app.add_middleware(ReplicaSecretCheck, secret=replica_secret)
     app.add_middleware(HeaderLimits)  # outermost: bounds the headers before anything reads them
-    install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None)
+    install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None,
+                    request_models=(*TOKENIZE_MODELS, InfillRequest, InfillResponse,
+                                    *MESSAGES_MODELS))
     v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 
     async def check_api_key(request: Request) -> None:
@@ -91,6 +97,10 @@ def build_app(ctx: IngressContext,
             for name in ctx.served_model_names]}
 
     app.include_router(v1)
+    # vLLM's and llama.cpp's routes outside /v1, behind the same key
+    add_token_routes(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
+    add_infill_route(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
+    add_messages_route(app, ctx, LIMIT_ERRORS)  # Anthropic's API: its own errors and keys
 
     @app.get("/health", response_class=Response, responses={**HEALTH_RESPONSES, **LIMIT_ERRORS})
     async def health() -> Response:

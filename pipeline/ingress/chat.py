@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.context import IngressContext, Ticket
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
@@ -24,8 +25,10 @@ from pagedserve.pipeline.ingress.validation import (check_model_name, parse_requ
 from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | None = None
-                ) -> list[int]:
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | None = None,
+                *, add_special_tokens: bool = False) -> list[int]:
+    """The messages through the chat template, tokenized (the template writes its own special
+    tokens: `add_special_tokens` adds the tokenizer's on top, as /tokenize may ask)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise invalid("this model has no chat template (its tokenizer defines none, as a base "
@@ -44,7 +47,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | 
             continue_final_message=bool(req.continue_final_message), **extra)
     except Exception as exc:  # jinja errors raised by the template itself ("roles must alternate")
         raise invalid(f"the chat template cannot render these messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(ctx: IngressContext, request: Request) -> Response:
@@ -61,6 +64,24 @@ def _prepare(ctx: IngressContext, body: bytes, key: str):
     """Parse and check the body, render and tokenize the messages: (the request, its engine
     request, its admission ticket, the view that shapes its output)."""
     req = parse_request(ChatCompletionRequest, decode_json_object(body))
+    prepared = prepare_chat(ctx, req, new_request_id("chatcmpl"))
+    view = _ChatView(ctx, req, prepared.engine_request, prepared.tool_plan, key)
+    return req, prepared.engine_request, prepared.ticket, view
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A checked chat request ready to run: the engine request, the admission ticket it holds
+    (the caller releases it), and how its output is read (None: no tools)."""
+    engine_request: EngineRequest
+    ticket: Ticket
+    tool_plan: ToolPlan | None
+
+
+def prepare_chat(ctx: IngressContext, req: ChatCompletionRequest, request_id: str
+                 ) -> PreparedChat:
+    """Check a parsed chat request against the served model, then render and tokenize its
+    messages; every refusal is an APIError. Shared by /v1/chat/completions and /v1/messages."""
     check_model_name(req.model, ctx.served_model_names)
     req.check()
     tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
@@ -91,8 +112,7 @@ def _prepare(ctx: IngressContext, body: bytes, key: str):
     except BaseException:
         ticket.release()
         raise
-    engine_request = EngineRequest(new_request_id("chatcmpl"), ids, params)
-    return req, engine_request, ticket, _ChatView(ctx, req, engine_request, tool_plan, key)
+    return PreparedChat(EngineRequest(request_id, ids, params), ticket, tool_plan)
 
 
 class _ChatView:

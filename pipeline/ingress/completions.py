@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import invalid
+from pagedserve.pipeline.ingress.fim import fim_prompt, require_fim
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
 from pagedserve.pipeline.ingress.logprobs import CompletionLogprobs
 from pagedserve.pipeline.ingress.protocol import CompletionRequest
@@ -50,18 +51,21 @@ def _prepare(ctx: IngressContext, body: bytes):
         lambda: req.sampling_params(max_tokens=requested if requested is not None
                                     else DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs),
         vocab_size=ctx.vocab_size, max_n=ctx.max_n)
+    fim = require_fim(ctx.tokenizer, "suffix") if req.suffix else None
     ticket = ctx.admit(len(prompts))  # before any tokenization
     try:
         request_id = new_request_id("cmpl")
         engine_requests, prompt_texts = [], []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                ids = ctx.tokenizer.encode(prompt)
                 prompt_texts.append(prompt)
             else:
                 check_token_ids(prompt, ctx.vocab_size, "prompt")
-                ids = list(prompt)
-                prompt_texts.append(ctx.tokenizer.decode(ids) if req.echo else "")
+                prompt_texts.append(ctx.tokenizer.decode(prompt) if req.echo else "")
+            if fim is not None:  # fill in the middle: the prompt is the text before the gap
+                ids = fim_prompt(ctx.tokenizer, fim, prompt, req.suffix)
+            else:
+                ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             ctx.guard.poison(ids)
             max_tokens = resolve_max_tokens(
                 len(ids), requested, default=DEFAULT_COMPLETION_MAX_TOKENS,

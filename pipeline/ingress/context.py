@@ -13,6 +13,7 @@ from pagedserve.pipeline.ingress.errors import overloaded
 from pagedserve.pipeline.ingress.metrics import IngressMetrics
 from pagedserve.pipeline.ingress.request_guard import RequestGuard
 from pagedserve.pipeline.ingress.tokens import TokenText
+from pagedserve.pipeline.ingress.tools import resolve_tool_parser
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -58,7 +59,8 @@ class IngressContext:
                    model_root=cfg.model.model, api_key=cfg.server.api_key,
                    max_request_bytes=cfg.server.max_request_bytes,
                    max_n=min(MAX_N, cfg.scheduling.max_num_seqs),
-                   tool_call_parser=cfg.server.tool_call_parser,
+                   tool_call_parser=resolve_tool_parser(
+                       cfg.server.tool_call_parser, getattr(tokenizer, "chat_template", None)),
                    reasoning_parser=cfg.server.reasoning_parser)
 
     @property

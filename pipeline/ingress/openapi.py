@@ -210,16 +210,18 @@ REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
 
 
 def install_openapi(app: FastAPI, *, limits: dict[str, tuple[str, int]],
-                    api_key: bool) -> None:
-    """Serve the schema, built once: request models added to the components, each
-    `LIMIT_KEY: name` marker replaced by `limits[name]` (a keyword and the served model's value),
-    and bearer security on /v1 when the server has an API key."""
+                    api_key: bool, request_models: tuple[type[BaseModel], ...] = ()) -> None:
+    """Serve the schema, built once: request models (REQUEST_MODELS, and `request_models`: the
+    bodies and answers of routes that other modules add) added to the components, each `LIMIT_KEY: name`
+    marker replaced by `limits[name]` (a keyword and the served model's value), and bearer
+    security on /v1 and every route that documents a 401 when the server has an API key."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                  description=app.description)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (*REQUEST_MODELS, CompletionChunk, ChatCompletionChunk):
+            for model in (*REQUEST_MODELS, *request_models, CompletionResponse,
+                          CompletionChunk, ChatCompletionResponse, ChatCompletionChunk):
                 found = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(found.pop("$defs", {}))
                 components[model.__name__] = found
@@ -248,6 +250,7 @@ def _fill_limits(node: Any, limits: dict[str, tuple[str, int]]) -> None:
 def _require_bearer(schema: dict[str, Any]) -> None:
     schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in schema["paths"].items():
-        if path.startswith("/v1/"):
-            for operation in operations.values():
+        for operation in operations.values():
+            # /v1, and the routes outside it that document the key's 401 (/tokenize, /infill)
+            if path.startswith("/v1/") or "401" in operation.get("responses", {}):
                 operation["security"] = [{"bearer": []}]

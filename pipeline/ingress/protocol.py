@@ -5,7 +5,7 @@ vLLM does. Every optional field accepts an explicit null, so `"logprobs": null` 
 `"best_of": 1` from a client written for OpenAI is accepted. Range checks live in
 `SamplingParams.validate` and `validation.py`, which need the model's limits.
 
-The OpenAPI schema documents those ranges (`_doc`) without checking them, so that a bad value
+The OpenAPI schema documents those ranges (`documented`) without checking them, so that a bad value
 still meets the one gate and its OpenAI-shaped 400 naming the field. A bound that depends on
 the served model is a marker (`LIMIT_KEY`) that `openapi.py` fills in.
 """
@@ -27,57 +27,57 @@ from pagedserve.pipeline.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT
 LIMIT_KEY = "x-pagedserve-limit"  # replaced by "maximum": the served model's limit of that name
 
 
-def _doc(tp: Any, **schema: Any) -> Any:
+def documented(tp: Any, **schema: Any) -> Any:
     """`tp`, validated as `tp`, shown in the OpenAPI schema as `schema` (its documented range)."""
     return Annotated[tp, WithJsonSchema(schema)]
 
 
-_INT64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+INT64_SCHEMA = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
 _TOKEN_ID = {"type": "integer", "minimum": 0, LIMIT_KEY: "token_id"}
 _TEXT = {"type": "string", "minLength": 1}
-_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+STOP_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
 
-Prompt = (_doc(str, **_TEXT)
-          | _doc(list[str], type="array", minItems=1, items=_TEXT, **{LIMIT_KEY: "prompts"})
-          | _doc(list[int], type="array", minItems=1, items=_TOKEN_ID)
-          | _doc(list[list[int]], type="array", minItems=1, **{LIMIT_KEY: "prompts"},
+Prompt = (documented(str, **_TEXT)
+          | documented(list[str], type="array", minItems=1, items=_TEXT, **{LIMIT_KEY: "prompts"})
+          | documented(list[int], type="array", minItems=1, items=_TOKEN_ID)
+          | documented(list[list[int]], type="array", minItems=1, **{LIMIT_KEY: "prompts"},
                  items={"type": "array", "minItems": 1, "items": _TOKEN_ID}))
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool | None = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields both endpoints share; `None` means "the default"."""
 
     model: str | None = None
-    n: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "n"}) | None = None
+    n: documented(int, type="integer", minimum=1, **{LIMIT_KEY: "n"}) | None = None
     best_of: int | None = Field(None, description="must equal n when given")
-    temperature: _doc(float, type="number", minimum=0, maximum=2) | None = None
-    top_p: _doc(float, type="number", exclusiveMinimum=0, maximum=1) | None = None
-    top_k: _doc(int, type="integer", minimum=-1, maximum=INT64_MAX, **{"not": {"const": 0}}
+    temperature: documented(float, type="number", minimum=0, maximum=2) | None = None
+    top_p: documented(float, type="number", exclusiveMinimum=0, maximum=1) | None = None
+    top_k: documented(int, type="integer", minimum=-1, maximum=INT64_MAX, **{"not": {"const": 0}}
                 ) | None = Field(None, description="-1 disables")
-    min_p: _doc(float, type="number", minimum=0, maximum=1) | None = None
-    presence_penalty: _doc(float, type="number", minimum=-2, maximum=2) | None = None
-    frequency_penalty: _doc(float, type="number", minimum=-2, maximum=2) | None = None
-    repetition_penalty: _doc(float, type="number", exclusiveMinimum=0, maximum=2) | None = None
-    seed: _doc(int, **_INT64) | None = None
-    max_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}) | None = Field(
+    min_p: documented(float, type="number", minimum=0, maximum=1) | None = None
+    presence_penalty: documented(float, type="number", minimum=-2, maximum=2) | None = None
+    frequency_penalty: documented(float, type="number", minimum=-2, maximum=2) | None = None
+    repetition_penalty: documented(float, type="number", exclusiveMinimum=0, maximum=2) | None = None
+    seed: documented(int, **INT64_SCHEMA) | None = None
+    max_tokens: documented(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}) | None = Field(
         None, description="prompt tokens + max_tokens must fit the model's context")
-    min_tokens: _doc(int, type="integer", minimum=0) | None = None
-    stop: _doc(str, **_STOP) | _doc(list[str], type="array", items=_STOP,
+    min_tokens: documented(int, type="integer", minimum=0) | None = None
+    stop: documented(str, **STOP_SCHEMA) | documented(list[str], type="array", items=STOP_SCHEMA,
                                     maxItems=MAX_STOP_STRINGS) | None = None
-    stop_token_ids: _doc(list[int], type="array", items=_TOKEN_ID,
+    stop_token_ids: documented(list[int], type="array", items=_TOKEN_ID,
                          maxItems=MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    logit_bias: _doc(dict[str, float], type="object", maxProperties=MAX_LOGIT_BIAS_ENTRIES,
+    logit_bias: documented(dict[str, float], type="object", maxProperties=MAX_LOGIT_BIAS_ENTRIES,
                      propertyNames={"pattern": "^[0-9]+$"},
                      additionalProperties={"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                            "maximum": MAX_LOGIT_BIAS},
@@ -86,12 +86,12 @@ class _SamplingFields(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(None, description="only when stream is true")
     user: str | None = None
-    priority: _doc(int, **_INT64) | None = Field(None, description="lower runs first (priority "
+    priority: documented(int, **INT64_SCHEMA) | None = Field(None, description="lower runs first (priority "
                                                  "scheduling)")
     cache_salt: str | None = None
-    response_format: _doc(dict[str, Any], type="object") | None = Field(
+    response_format: documented(dict[str, Any], type="object") | None = Field(
         None, description="{type: text | json_object | json_schema}; json_schema: {name, schema}")
-    structured_outputs: _doc(dict[str, Any], type="object") | None = Field(
+    structured_outputs: documented(dict[str, Any], type="object") | None = Field(
         None, description="one of json (a schema), regex, choice, grammar (EBNF), "
                           "structural_tag, json_object")
     guided_json: dict[str, Any] | str | None = None
@@ -154,17 +154,17 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
                 "include_stop_str_in_output")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: bool | None = Field(False, description="not together with logprobs")
-    logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
+    logprobs: documented(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
         None, description="top-N besides the chosen token; null: none")
-    suffix: _doc(str, type="string", maxLength=0) | None = Field(None, description="not supported")
+    suffix: str | None = Field(None, description="the text after the gap: the prompt is "
+                               "what comes before it, the completion fills it (a model with "
+                               "fill-in-the-middle tokens; empty: a plain completion)")
 
     def check(self) -> None:
         self.check_common()
-        if self.suffix:
-            raise invalid("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
             raise invalid("echo together with logprobs would need prompt logprobs, which this "
                           "server does not compute", "echo")
@@ -183,12 +183,12 @@ class CompletionRequest(_SamplingFields):
         return items
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -218,43 +218,35 @@ RESERVED_TEMPLATE_ARGS = frozenset({
     "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     # Not the schema's maxItems: that many messages outgrow the default body limit, so a
     # client sending them meets its 413 before the count's 400.
     messages: list[ChatMessage] = Field(min_length=1, description=f"at most {MAX_CHAT_MESSAGES}")
-    max_completion_tokens: _doc(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}
+    max_completion_tokens: documented(int, type="integer", minimum=1, **{LIMIT_KEY: "max_tokens"}
                                 ) | None = Field(None, description="takes precedence over "
                                                  "max_tokens")
     logprobs: bool | None = False
-    top_logprobs: _doc(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
+    top_logprobs: documented(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
         None, description="needs logprobs to be true")
     tools: list[dict[str, Any]] | None = Field(
         None, description="[{type: function, function: {name, description, parameters}}]",
         json_schema_extra={"maxItems": MAX_TOOLS})
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="none, auto (needs --tool-call-parser), required, or "
+        None, description="none, auto (a tool-call parser: the chat template's, or "
+                          "--tool-call-parser), required, or "
                           "{type: function, function: {name}}")
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = Field(True, description="not together with "
                                                                  "continue_final_message")
     continue_final_message: bool | None = False
-    chat_template_kwargs: _doc(dict[str, Any], type="object", propertyNames={
+    chat_template_kwargs: documented(dict[str, Any], type="object", propertyNames={
         "not": {"enum": sorted(RESERVED_TEMPLATE_ARGS)}}) | None = None
 
     def check(self) -> None:
         self.check_common()
-        if len(self.messages) > MAX_CHAT_MESSAGES:
-            raise invalid(f"messages has {len(self.messages)} entries but at most "
-                          f"{MAX_CHAT_MESSAGES} are allowed", "messages")
+        check_template_fields(self)
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid("add_generation_prompt and continue_final_message cannot both be true",
-                          "continue_final_message")
-        clash = RESERVED_TEMPLATE_ARGS & (self.chat_template_kwargs or {}).keys()
-        if clash:
-            raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
-                          "chat_template_kwargs")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -265,3 +257,18 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+def check_template_fields(req: Any) -> None:
+    """The chat template's inputs of a request (chat completions, /tokenize with messages):
+    `messages`, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`."""
+    if len(req.messages) > MAX_CHAT_MESSAGES:
+        raise invalid(f"messages has {len(req.messages)} entries but at most "
+                      f"{MAX_CHAT_MESSAGES} are allowed", "messages")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise invalid("add_generation_prompt and continue_final_message cannot both be true",
+                      "continue_final_message")
+    clash = RESERVED_TEMPLATE_ARGS & (req.chat_template_kwargs or {}).keys()
+    if clash:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
+                      "chat_template_kwargs")

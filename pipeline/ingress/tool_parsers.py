@@ -276,3 +276,18 @@ def parse_json_array(text: str, final: bool, names: frozenset[str] = frozenset()
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def parser_for_template(template: str | None) -> str | None:
+    """The parser that reads the calls a chat template asks its model for, from the markers
+    the template writes: `<tool_call>` tags (Qwen2.5 / Qwen3, Hermes) -> hermes; Llama 3.x's
+    `<|python_tag|>` or its `"parameters"` call objects -> llama3_json. None: a template that
+    renders no tools, or a format no parser here reads (Mistral's `[TOOL_CALLS]`)."""
+    if not template or "tools" not in template:
+        return None
+    if OPEN_TAG in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template
+                                         and '"parameters"' in template):
+        return "llama3_json"
+    return None

@@ -2,7 +2,8 @@
 for the prompt, the constraint and the response.
 
 - `none`: the output is content.
-- `auto` (the default with tools): the output is read with the server's --tool-call-parser.
+- `auto` (the default with tools): the output is read with the server's --tool-call-parser,
+  or without the flag the parser the chat template calls for (`resolve_tool_parser`).
 - `required` and a named function are enforced by the grammar, not hoped for: the output is
   constrained to a JSON array of {"name", "arguments"} objects (one of the tools each; one
   item when parallel_tool_calls is false), or to the named function's parameters schema.
@@ -14,6 +15,7 @@ exactly the non-streamed message (`message`), which reads the final text the sam
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,8 +23,11 @@ from typing import Any
 
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.limits import MAX_TOOLS, MAX_TOOLS_JSON_CHARS
-from pagedserve.pipeline.ingress.tool_parsers import PARSERS, Parsed, ParsedCall, parse_json_array
+from pagedserve.pipeline.ingress.tool_parsers import (PARSERS, Parsed, ParsedCall,
+                                                      parse_json_array, parser_for_template)
 from pagedserve.pipeline.structured.spec import StructuredOutputs
+
+log = logging.getLogger("pagedserve.ingress")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,23 @@ class ToolPlan:
         if self.mode == "named":  # the whole output is the arguments object
             return Parsed("", [ParsedCall(self.function, text, final)])
         return Parsed(text)
+
+
+def resolve_tool_parser(flag: str | None, chat_template: str | None) -> str | None:
+    """--tool-call-parser when given, else the parser the chat template's format calls for
+    (tool_parsers.parser_for_template); logged once at start, so `tool_choice: auto` works on
+    a tool-aware model without the flag."""
+    if flag is not None:
+        log.info("tool calls: the %s parser (--tool-call-parser)", flag)
+        return flag
+    chosen = parser_for_template(chat_template)
+    if chosen is not None:
+        log.info("tool calls: the %s parser, chosen from the chat template "
+                 "(--tool-call-parser overrides)", chosen)
+    elif chat_template and "tools" in chat_template:
+        log.info("tool calls: the chat template renders tools in a format no parser here reads; "
+                 "tool_choice auto needs --tool-call-parser")
+    return chosen
 
 
 def _check_tools(tools: list[dict]) -> dict[str, dict]:
@@ -88,9 +110,10 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
         return ToolPlan("none", tools)
     if choice == "auto":
         if parser is None:
-            raise invalid("tool_choice auto needs the server started with --tool-call-parser "
-                          "(hermes or llama3_json); use tool_choice required or a named "
-                          "function, which the grammar enforces", "tool_choice")
+            raise invalid("tool_choice auto needs a tool-call parser: none fits this model's "
+                          "chat template, so start the server with --tool-call-parser (hermes "
+                          "or llama3_json), or use tool_choice required or a named function, "
+                          "which the grammar enforces", "tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},

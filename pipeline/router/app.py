@@ -22,7 +22,10 @@ from pagedserve.pipeline.ingress.errors import APIError
 from pagedserve.pipeline.ingress.limits import HeaderLimits
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
 from pagedserve.pipeline.ingress.validation import read_json_object
+from pagedserve.pipeline.router.infill import stream_infill
 from pagedserve.pipeline.router.models import ModelUnavailable
+from pagedserve.pipeline.router.passthrough import anthropic_error, stream_messages
+from pagedserve.pipeline.router.prompts import NON_GENERATING
 from pagedserve.pipeline.router.ratelimit import retry_after_header
 from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
 from pagedserve.pipeline.router.upstream import DONE, ReplicaRefused
@@ -58,17 +61,23 @@ class ApiKeys:
         if not self.keys:
             return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer" and any(secrets.compare_digest(token.encode(), k)
-                                              for k in self.keys):
-            return token
+        given = [token.strip()] if scheme.lower() == "bearer" else []
+        given.append(request.headers.get("x-api-key", ""))  # Anthropic's clients send this
+        for token in given:
+            if any(secrets.compare_digest(token.encode(), k) for k in self.keys):
+                return token
         self.service.metrics.rejected.labels("unauthorized").inc()
-        raise RouterError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                          code="invalid_api_key")
+        raise RouterError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                          "(or 'x-api-key: <key>').", code="invalid_api_key")
+
+
+# Streams the router passes through as they come (not resumed): the others are OpenAI's.
+_STREAMS = {"messages": stream_messages, "infill": stream_infill}
 
 
 async def _generate(service: RouterService, keys: ApiKeys, kind: str,
                     request: Request) -> Response:
+    error = anthropic_error if kind == "messages" else _error  # each API's own error shape
     try:
         api_key = keys.caller(request)
         body = await _json_body(request, service)
@@ -81,13 +90,13 @@ async def _generate(service: RouterService, keys: ApiKeys, kind: str,
             raise RouterError(503, str(exc), code="model_unavailable",
                               retry_after=exc.retry_after) from None
     except RouterError as exc:
-        return _error(exc)
-    if body.get("stream"):
-        return await _streamed(service, routed)
+        return error(exc)
+    if body.get("stream") and kind not in NON_GENERATING:
+        return await _STREAMS.get(kind, _streamed)(service, routed)
     try:
         status, content, headers = await service.complete(routed)
     except RouterError as exc:
-        return _error(exc)
+        return error(exc)
     finally:
         await service.models.release(routed.model)
     return Response(content, status_code=status, headers=headers, media_type="application/json")
@@ -107,6 +116,15 @@ def build_router_app(service: RouterService, api_keys: list[str],
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(service, keys, "completion", request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _generate(service, keys, "messages", request)
+
+    # vLLM's /tokenize and /detokenize, llama.cpp's /infill: the same keys and limits
+    for path, kind in (("/tokenize", "tokenize"), ("/detokenize", "detokenize"),
+                       ("/infill", "infill")):
+        app.add_api_route(path, _forwarder(service, keys, kind), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -133,6 +151,12 @@ def build_router_app(service: RouterService, api_keys: list[str],
         return Response(service.metrics.render(service.core), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _forwarder(service: RouterService, keys: ApiKeys, kind: str):
+    async def forward(request: Request) -> Response:
+        return await _generate(service, keys, kind, request)
+    return forward
 
 
 async def _json_body(request: Request, service: RouterService) -> dict[str, Any]:

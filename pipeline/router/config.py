@@ -1,5 +1,6 @@
 """The router's command line: `pagedserve serve` with `--data-parallel-size N`, several
-`--model`s, a `--models-file` or `--engine-url`s starts the router instead of one group.
+`--model`s, a `--models-file` or `--engine-url`s starts the router instead of one group; with
+no model named, it serves the launcher's default model (`ModelArgs.model`), as a plain launch.
 
 Router flags are parsed here; every other flag is the engine groups' (passed to each
 launcher as it is: `--dtype`, `--kv-cache-memory` ...).
@@ -20,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 from pagedserve import envs
+from pagedserve.pipeline.config import ModelArgs
 from pagedserve.pipeline.router.groups import GroupSpec
 from pagedserve.pipeline.router.priority import DEFAULT_PRIORITY_FLOOR
 from pagedserve.pipeline.router.ratelimit import KeyLimit
@@ -201,6 +203,8 @@ def config_from_argv(argv: list[str]) -> tuple[RouterConfig, bool]:
     specs = [parse_model(m, args) for m in ns.model]
     if ns.models_file:
         specs += read_models_file(ns.models_file, args)
+    if not specs and not ns.engine_url:  # the model a plain launch serves
+        specs = [parse_model(ModelArgs().model, args)]
     models: dict[str, GroupSpec] = {}
     for spec in specs:
         if spec.model in models:

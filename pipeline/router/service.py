@@ -29,7 +29,9 @@ from pagedserve.pipeline.router.upstream import DONE, ReplicaBroken, ReplicaRefu
 
 log = logging.getLogger("pagedserve.router")
 
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+         "messages": "/v1/messages",
+         "tokenize": "/tokenize", "detokenize": "/detokenize", "infill": "/infill"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ class RouterService:
         except ValueError as exc:
             raise RouterError(400, str(exc), code="invalid_priority") from None
         prompt = estimate_prompt_tokens(kind, body)
-        cost = max(1, prompt + estimate_generation(body))
+        cost = max(1, prompt + estimate_generation(body, kind))
         wait = self.limiter.admit(api_key, cost, self.clock())
         if wait > 0:
             self.metrics.rejected.labels("rate_limited").inc()
@@ -294,14 +296,67 @@ class RouterService:
             self.core.end(replica.replica_id, routed.cost)
 
 
+    # -- passed through (Anthropic's /v1/messages streams: passthrough.py) --------------------
+    async def open_stream(self, routed: Routed) -> tuple[Replica, httpx.Response]:
+        """The first replica that accepts `routed` as a stream, and its open response (status
+        200, body unread; the caller closes it and calls `close_stream`). An overloaded
+        replica's 503 is retried on the others; any other refusal raises ReplicaRefused."""
+        tried: set[str] = set()
+        last: ReplicaRefused | None = None
+        for attempt in range(self.settings.max_attempts):
+            replica = await self._choose(routed, tried, attempt == 0)
+            tried.add(replica.replica_id)
+            self.core.begin(replica.replica_id, routed.cost)
+            request = self.http.build_request(
+                "POST", replica.url + PATHS[routed.kind], json=routed.body,
+                headers=replica.headers,
+                timeout=httpx.Timeout(10.0, read=self.settings.stall_timeout))
+            try:
+                resp = await self.http.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                self.close_stream(routed, replica, f"{type(exc).__name__}: {exc}")
+                continue
+            if resp.status_code == 200:
+                return replica, resp
+            body = await resp.aread()
+            await resp.aclose()
+            self.close_stream(routed, replica)
+            refused = ReplicaRefused(resp.status_code, body, {
+                k: v for k, v in resp.headers.items() if k.lower() == "retry-after"})
+            if resp.status_code != 503 or not self._others_left(routed, tried):
+                raise refused
+            last = refused
+        if last is not None:
+            raise last
+        raise RouterError(503, f"{self.settings.max_attempts} replicas failed this request",
+                          code="replicas_failed", retry_after=5)
+
+    def close_stream(self, routed: Routed, replica: Replica, failure: str | None = None,
+                     used: int | None = None) -> None:
+        """A passed-through stream ended: the replica's load drops, a failure marks it
+        suspect, and the key pays `used` tokens (None: the charge stays)."""
+        self.core.end(replica.replica_id, routed.cost)
+        if failure is not None:
+            self._failed(routed, replica, failure)
+        self._settle(routed, used)
+
+
 def _error_event(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "server_error", "param": None,
                       "code": "replica_failed"}}
 
 
 def _usage_total(content: bytes) -> int | None:
+    """OpenAI's usage.total_tokens, Anthropic's input_tokens + output_tokens, or llama.cpp's
+    tokens_evaluated + tokens_predicted."""
     try:
-        return int(json.loads(content)["usage"]["total_tokens"])
+        answer = json.loads(content)
+        if isinstance(answer, dict) and "tokens_predicted" in answer:  # llama.cpp's /infill
+            return int(answer["tokens_evaluated"]) + int(answer["tokens_predicted"])
+        usage = answer["usage"]
+        if "total_tokens" in usage:
+            return int(usage["total_tokens"])
+        return int(usage["input_tokens"]) + int(usage["output_tokens"])
     except (ValueError, KeyError, TypeError):
         return None
 

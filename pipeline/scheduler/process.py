@@ -171,7 +171,9 @@ class SchedulerProcess:
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
-        gate = enable_structured_outputs(scheduler, self.cfg.model_info)  # warmed when idle
+        gate = enable_structured_outputs(  # warmed when idle
+            scheduler, self.cfg.model_info,
+            timeout_s=self.cfg.scheduling.grammar_compile_timeout)
         self.service = SchedulerService(
             scheduler, instance=self.instance, grammar_gate=gate,
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,

@@ -1,7 +1,8 @@
 """The openai SDK against a launched group of each new built-in model (issue #20): Qwen2.5-Coder's
 chat (streamed and not), n=2 with logprobs, stop strings, greedy equal to transformers, and tool
-calls under tool_choice auto with --tool-call-parser hermes through the tool-result round trip
-to a text answer (issue #22); Gemma 3 270M, a base model without a chat template: completions
+calls under tool_choice auto (the hermes parser chosen from the template, no flag: issue #40)
+through the tool-result round trip to a text answer (issue #22); fill-in-the-middle and
+/tokenize (issue #40); Gemma 3 270M, a base model without a chat template: completions
 served, chat answered 400 naming the missing template."""
 from __future__ import annotations
 
@@ -59,9 +60,38 @@ QWEN = "Qwen2.5-Coder-0.5B-Instruct"
 
 @pytest.fixture(scope="module")
 def qwen():
-    group, sdk, model_dir = serve(QWEN, "--tool-call-parser", "hermes", default=True)
+    # no --tool-call-parser: chosen from the chat template (hermes), as a new user starts it
+    group, sdk, model_dir = serve(QWEN, default=True)
     yield sdk, model_dir
     assert group.close() == 0
+
+
+def test_qwen_fills_in_the_middle_and_counts_tokens(qwen):
+    """llama.cpp's /infill and `suffix` on /v1/completions with the model's FIM tokens, and
+    vLLM's /tokenize and /detokenize, over plain HTTP."""
+    sdk, model_dir = qwen
+    base = str(sdk.base_url).removesuffix("/v1/")
+    prefix, suffix = "def add(a, b):\n    return ", "\n\n\nprint(add(1, 2))\n"
+    r = httpx.post(f"{base}/infill", timeout=300, json={
+        "input_prefix": prefix, "input_suffix": suffix, "n_predict": 8, "temperature": 0,
+        "input_extra": [{"filename": "util.py", "text": "import math\n"}]})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["content"].startswith("a + b"), out
+    assert out["stop"] is True and out["stop_type"] in ("eos", "limit")
+    cmpl = sdk.completions.create(model=QWEN, prompt=prefix, suffix=suffix, max_tokens=8,
+                                  temperature=0)
+    assert cmpl.choices[0].text.startswith("a + b"), cmpl.choices[0].text
+    tokenizer = load_tokenizer(model_dir)
+    r = httpx.post(f"{base}/tokenize", timeout=60, json={"prompt": prefix})
+    assert r.json()["tokens"] == tokenizer.encode(prefix)
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 2048
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{base}/tokenize", timeout=60, json={"messages": messages})
+    chat = sdk.chat.completions.create(model=QWEN, messages=messages, max_tokens=1)
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    r = httpx.post(f"{base}/detokenize", timeout=60, json={"tokens": tokenizer.encode(prefix)})
+    assert r.json() == {"prompt": prefix}
 
 
 def test_qwen_chat_streaming_n2_logprobs_stop(qwen):

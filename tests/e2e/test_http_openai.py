@@ -91,6 +91,27 @@ def test_bad_requests_get_openai_errors_then_good_ones_work(server):
                       timeout=30).status_code == 401
 
 
+def test_tokenize_detokenize_and_infill_without_fim_tokens(server, tokenizer):
+    """vLLM's /tokenize and /detokenize behind the key; SmolLM2 has no FIM tokens, so /infill
+    and `suffix` are a 400 naming the cause."""
+    _, base, _, model = server
+    headers = {"Authorization": "Bearer sekret"}
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+    r = httpx.post(f"{base}/tokenize", headers=headers, timeout=60,
+                   json={"model": model, "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode("Hello world")
+    assert r.json()["token_strs"] == tokenizer.convert_ids_to_tokens(r.json()["tokens"])
+    r = httpx.post(f"{base}/detokenize", headers=headers, timeout=60,
+                   json={"tokens": r.json()["tokens"]})
+    assert r.json() == {"prompt": "Hello world"}
+    r = httpx.post(f"{base}/detokenize", headers=headers, timeout=60, json={"tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    for path, body in (("/infill", {"input_prefix": "def f(", "input_suffix": ")"}),
+                       ("/v1/completions", {"prompt": "def f(", "suffix": ")"})):
+        r = httpx.post(f"{base}{path}", headers=headers, timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "fim_not_supported"
+
+
 def test_metrics_parse_and_move(server):
     _, base, sdk, model = server
 

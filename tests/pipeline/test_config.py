@@ -74,7 +74,7 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  max_num_batched_tokens=333, max_queued_requests=44,
                  enable_chunked_prefill=False, preemption_mode="swap",
                  scheduling_policy="priority", step_timeout=9.0, async_scheduling=False,
-                 max_restarts=5,
+                 grammar_compile_timeout=4.5, max_restarts=5,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4},
                  restart_window=7.0, heartbeat_timeout=3.0)
@@ -89,6 +89,13 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
     back = _cfg(*argv)
     for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
         assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
+
+
+def test_grammar_compile_timeout_flag():
+    assert _cfg().scheduling.grammar_compile_timeout == 30.0
+    assert _cfg("--grammar-compile-timeout", "2.5").scheduling.grammar_compile_timeout == 2.5
+    with pytest.raises(ValueError, match="--grammar-compile-timeout must be positive"):
+        _cfg("--grammar-compile-timeout", "0")
 
 
 def test_enforce_eager_flag():

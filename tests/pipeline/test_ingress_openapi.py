@@ -14,7 +14,11 @@ from pagedserve.pipeline.ingress.protocol import (LIMIT_KEY, ChatCompletionReque
 from pagedserve.pipeline.ingress.testing import make_test_context
 
 ROUTES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get",
+          "/v1/messages": "post", "/tokenize": "post", "/detokenize": "post", "/infill": "post",
           "/health": "get", "/version": "get", "/metrics": "get"}
+# Behind the API key: /v1, and vLLM's and llama.cpp's routes outside it.
+KEYED = {path for path in ROUTES if path.startswith("/v1/")} | {"/tokenize", "/detokenize",
+                                                                "/infill"}
 
 
 def served_schema(**ctx_kwargs) -> dict:
@@ -51,6 +55,34 @@ def test_every_route_is_documented_with_its_body_and_errors():
     assert "content" not in schema["paths"]["/health"]["get"]["responses"]["200"]
 
 
+def test_token_and_infill_routes_document_their_bodies_and_answers():
+    from pagedserve.pipeline.ingress.infill import InfillRequest
+    from pagedserve.pipeline.ingress.tokenize import (DetokenizeRequest, TokenizeChatRequest,
+                                                      TokenizeCompletionRequest)
+    schema = served_schema()
+    components = schema["components"]["schemas"]
+
+    def body(path):
+        op = schema["paths"][path]["post"]
+        return op, op["requestBody"]["content"]["application/json"]["schema"]
+    op, tokenize = body("/tokenize")
+    assert tokenize == {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                                  {"$ref": "#/components/schemas/TokenizeChatRequest"}]}
+    assert set(op["responses"]) == {"200", "400", "404", "408", "413", "414", "431"}
+    assert op["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/TokenizeResponse"}
+    for model in (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+                  InfillRequest):
+        assert set(components[model.__name__]["properties"]) == set(model.model_fields)
+    assert body("/detokenize")[1] == {"$ref": "#/components/schemas/DetokenizeRequest"}
+    tokens = components["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"] == {"type": "integer", "minimum": 0, "maximum": 258}
+    op, infill = body("/infill")
+    assert infill == {"$ref": "#/components/schemas/InfillRequest"}
+    assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(components["InfillResponse"]["required"]) >= {"content", "stop", "tokens"}
+
+
 def test_ranges_and_the_served_models_limits_are_documented():
     schema = served_schema(max_model_len=64, max_queued_requests=8, max_num_seqs=4)
     assert LIMIT_KEY not in json.dumps(schema)
@@ -74,8 +106,8 @@ def test_bearer_security_on_v1_only_when_the_server_has_a_key():
                                                                   "scheme": "bearer"}}
     for path, method in ROUTES.items():
         op = schema["paths"][path][method]
-        assert ("security" in op) == path.startswith("/v1/")
-        assert ("401" in op["responses"]) == path.startswith("/v1/")
+        assert ("security" in op) == (path in KEYED)
+        assert ("401" in op["responses"]) == (path in KEYED)
 
 
 def _fuzz_api():

@@ -47,3 +47,51 @@ def test_keys_models_limits_and_a_stream_through_the_app():
     assert streamed.text.endswith("data: [DONE]\n\n")
     assert [m["id"] for m in models["data"]] == ["m"]
     assert metrics.rejected.labels("unauthorized")._value.get() == 2
+
+
+def test_tokenize_detokenize_and_infill_are_forwarded_behind_the_keys():
+    seen = []
+    infill_events = [{"index": 0, "content": "x", "stop": False, "tokens_predicted": 1,
+                      "tokens_evaluated": 5},
+                     {"index": 0, "content": "", "stop": True, "stop_type": "limit",
+                      "tokens_predicted": 1, "tokens_evaluated": 5}]
+
+    def handler(request):
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": 1, "max_model_len": 100, "tokens": [7]})
+        if request.url.path == "/detokenize":
+            return httpx.Response(200, json={"prompt": "hi"})
+        if body.get("stream"):  # llama.cpp's stream: no [DONE]
+            return httpx.Response(200, content=b"".join(
+                b"data: " + json.dumps(e).encode() + b"\n\n" for e in infill_events))
+        return httpx.Response(200, json={**infill_events[-1], "content": "x"})
+
+    async def run():
+        service, _, metrics = make_service(handler)
+        app = build_router_app(service, ["k"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://router") as client:
+            auth = {"Authorization": "Bearer k"}
+            assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 401
+            tokenized = await client.post("/tokenize", json={"prompt": "hi", "stream": True},
+                                          headers=auth)
+            text = await client.post("/detokenize", json={"tokens": [7]}, headers=auth)
+            missing = await client.post("/detokenize", json={"model": "x", "tokens": [7]},
+                                        headers=auth)
+            infill = await client.post("/infill", json={"input_prefix": "a", "n_predict": 4},
+                                       headers=auth)
+            streamed = await client.post("/infill", json={"input_prefix": "a", "stream": True},
+                                         headers=auth)
+            return tokenized, text, missing, infill, streamed
+
+    tokenized, text, missing, infill, streamed = asyncio.run(run())
+    assert tokenized.json()["tokens"] == [7] and text.json() == {"prompt": "hi"}
+    assert missing.status_code == 404
+    assert infill.json()["content"] == "x" and infill.json()["stop"] is True
+    assert streamed.status_code == 200 and "[DONE]" not in streamed.text
+    events = [json.loads(b[6:]) for b in streamed.text.split("\n\n") if b.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False, True]
+    assert [path for path, _ in seen] == ["/tokenize", "/detokenize", "/infill", "/infill"]
+    assert all(body["model"] == "m" for _, body in seen)  # the served model filled in

@@ -158,6 +158,17 @@ def test_command_line():
         config_from_argv(["--model", "a=/m", "--preload", "b"])
 
 
+def test_no_model_named_serves_the_launchers_default_model():
+    from pagedserve.pipeline.config import build_arg_parser
+    default = build_arg_parser().parse_args([]).model  # what a plain scripts/launch.sh serves
+    cfg, _ = config_from_argv(["--data-parallel-size", "2", "--dtype", "float32"])
+    assert list(cfg.models) == [default] and cfg.data_parallel_size == 2
+    assert cfg.models[default].source == default
+    assert cfg.models[default].engine_args == ("--dtype", "float32")
+    cfg, _ = config_from_argv(["--engine-url", "http://e:8000"])
+    assert cfg.models == {} and cfg.engine_urls == ["http://e:8000"]
+
+
 def test_models_file(tmp_path):
     path = tmp_path / "models.json"
     path.write_text('[{"name": "small", "model": "/m/SmolLM2", "args": ["--max-num-seqs", "8"]},'

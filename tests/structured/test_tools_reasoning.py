@@ -98,7 +98,7 @@ def test_required_and_named_are_constraints():
 
 @pytest.mark.parametrize("tools, choice, parser, words", [
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "hermes", "'nope', which is not among"),
-    (TOOLS, "auto", None, "needs the server started with --tool-call-parser"),
+    (TOOLS, "auto", None, "start the server with --tool-call-parser"),
     (TOOLS, "sometimes", "hermes", "tool_choice must be"),
     ([{"type": "function", "function": {"name": ""}}], "required", None, "name must be a non-empty"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
