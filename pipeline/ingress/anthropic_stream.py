@@ -20,8 +20,7 @@ from starlette.responses import Response
 from pagedserve.pipeline.ingress.anthropic_errors import anthropic_error_body
 from pagedserve.pipeline.ingress.context import Ticket
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import first_item, until_disconnect
-from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
+from pagedserve.pipeline.ingress.generation import sse_response
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -141,19 +140,6 @@ async def with_anthropic_error_event(chunks: AsyncIterator[bytes]) -> AsyncItera
 async def anthropic_sse_response(request: Request, stream: AsyncIterator, ticket: Ticket,
                                  render: Callable[[Any, AsyncIterator], AsyncIterator[bytes]]
                                  ) -> Response:
-    """generation.sse_response with Anthropic's error event: prime `stream` (a refusal is still
-    a status), stream `render(first, stream)`, and however it ends close every layer (aborting
-    the engine request) and release the ticket."""
-    first = await until_disconnect(request, first_item(stream, ticket))
-    if first is None:
-        return Response(status_code=499)  # gone before the first token; already aborted
-    body = render(first, stream)
-    wrapped = with_anthropic_error_event(body)
-
-    async def on_close() -> None:
-        await wrapped.aclose()
-        await body.aclose()
-        await stream.aclose()
-        ticket.release()
-
-    return EngineStreamResponse(wrapped, on_close)
+    """generation.sse_response with Anthropic's error event."""
+    return await sse_response(request, stream, ticket, render,
+                              error_event=with_anthropic_error_event)

@@ -146,14 +146,17 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 
 
 async def sse_response(request: Request, stream: AsyncIterator, ticket: Ticket,
-                       render: Callable[[Any, AsyncIterator], AsyncIterator[bytes]]) -> Response:
-    """Prime `stream`, then stream `render(first, stream)` as SSE; when the response ends in any
-    way, close every layer (aborting unfinished engine requests) and release the ticket."""
+                       render: Callable[[Any, AsyncIterator], AsyncIterator[bytes]],
+                       error_event: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+                       = with_error_event) -> Response:
+    """Prime `stream`, then stream `render(first, stream)` as SSE, a failure after the headers
+    sent as `error_event` writes it (an API's own shape); when the response ends in any way,
+    close every layer (aborting unfinished engine requests) and release the ticket."""
     first = await until_disconnect(request, first_item(stream, ticket))
     if first is None:
         return Response(status_code=499)  # gone before the first token; already aborted
     body = render(first, stream)
-    wrapped = with_error_event(body)
+    wrapped = error_event(body)
 
     async def on_close() -> None:
         await wrapped.aclose()
