@@ -9,7 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 SCRIPTS = ["bench_scheduler", "bench_kvmanager", "bench_kernels", "bench_step",
-           "bench_throughput", "bench_serving", "compare_llama_server", "bench_decode_replay"]
+           "bench_throughput", "bench_serving", "compare_llama_server", "bench_decode_replay",
+           "profile_step"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -43,6 +44,22 @@ def test_bench_kernels_stores_its_result(tmp_path, monkeypatch, capsys):
     (stored,) = (tmp_path / "bench_kernels").glob("*.json")
     assert json.loads(stored.read_text())["result"] == result
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+def test_profile_step_parts_add_up_to_the_traced_step(tmp_path):
+    import profile_step
+    from pagedserve.workers.testing import make_tiny_llama
+    model_dir = make_tiny_llama(tmp_path / "m", seed=1)
+    report = profile_step.main(["--model", str(model_dir), "--batch-sizes", "1,3",
+                                "--context", "40", "--prefill-chunk", "24", "--copy-mib", "16",
+                                "--no-store"])
+    for shape in ("decode_b1", "decode_b3", "prefill_24"):
+        parts = report[shape]["parts_ms"]
+        assert set(parts) == {*profile_step.FAMILIES, "lm_head", "attention", "rest"}
+        assert all(v > 0 for k, v in parts.items() if k != "rest"), (shape, parts)
+        assert abs(sum(parts.values()) - report[shape]["traced_ms"]) < 0.05, (shape, parts)
+    assert report["decode_b3"]["sample_ms"] > 0 and report["floor_ms"] > 0
+    assert report["weight_mb"] > 0 and 0 < report["b1_share_of_floor"]
 
 
 def test_bench_scheduler_no_store_writes_nothing(tmp_path, monkeypatch):
