@@ -17,36 +17,58 @@ typedef void (*direct_fn)(const uint8_t *, int64_t, int, const int8_t *, const f
  * weight's bytes, with the same integer sums and fp32 terms as dot_panel_32 (no store of the
  * unpacked rows, no scale transposition). QTYPE is a constant in each instantiation. */
 /* The 4 rows' block terms d da I1 - dm da I2 (the row paths' block_term, lane by lane) */
-static inline __m128 direct_terms(const float d[4], const float dm[4], float da, __m128i i1,
-                                  __m128i i2) {
+static inline __m128 direct_terms(__m128 d, __m128 dm, float da, __m128i i1, __m128i i2) {
     const __m128 dav = _mm_set1_ps(da);
-    const __m128 s1 = _mm_mul_ps(_mm_loadu_ps(d), dav), s2 = _mm_mul_ps(_mm_loadu_ps(dm), dav);
+    const __m128 s1 = _mm_mul_ps(d, dav), s2 = _mm_mul_ps(dm, dav);
     return _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(i1)), _mm_mul_ps(s2, _mm_cvtepi32_ps(i2)));
 }
 
-static inline __m256i direct_bytes(int qtype, const uint8_t *blk, float *d, float *dm) {
+/* The 4 rows' fp16 at byte `at` of their block, as fp32 lanes (one conversion, not four) */
+static inline __m128 direct_halves(const uint8_t *const p[PANEL], int64_t at) {
+    uint16_t h[PANEL];
+    for (int r = 0; r < PANEL; r++) memcpy(&h[r], p[r] + at, 2);
+#ifdef __F16C__
+    return _mm_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3],
+                                       0, 0, 0, 0));
+#else
+    return _mm_setr_ps(half_to_float(h[0]), half_to_float(h[1]), half_to_float(h[2]),
+                       half_to_float(h[3]));
+#endif
+}
+
+static inline __m128 direct_floats(const uint8_t *const p[PANEL], int64_t at) {
+    float f[PANEL];
+    for (int r = 0; r < PANEL; r++) memcpy(&f[r], p[r] + at, 4);
+    return _mm_loadu_ps(f);
+}
+
+/* The block scales of 4 rows: d and dm (the row paths' d and dm, lane by lane) */
+static inline void direct_scales(int qtype, const uint8_t *const blk[PANEL], __m128 *d,
+                                 __m128 *dm) {
+    const __m128 negate = _mm_set1_ps(-0.0f);
     switch (qtype) {
-        case T_Q4_0: *d = load_half(blk); *dm = 8.0f * *d; return nibbles32_vec(blk + 2);
-        case T_Q4_1: *d = load_half(blk); *dm = -load_half(blk + 2); return nibbles32_vec(blk + 4);
+        case T_Q4_0: *d = direct_halves(blk, 0); *dm = _mm_mul_ps(_mm_set1_ps(8.0f), *d); break;
+        case T_Q4_1: *d = direct_halves(blk, 0); *dm = _mm_xor_ps(direct_halves(blk, 2), negate);
+            break;
+        case T_Q5_0: *d = direct_halves(blk, 0); *dm = _mm_mul_ps(_mm_set1_ps(16.0f), *d); break;
+        case T_Q8_0: *d = direct_halves(blk, 0); *dm = _mm_setzero_ps(); break;
+        default: *d = direct_floats(blk, 0); *dm = _mm_xor_ps(direct_floats(blk, 4), negate);
+    }
+}
+
+/* A block's 32 quants as bytes (u8; Q8_0's are s8) */
+static inline __m256i direct_bytes(int qtype, const uint8_t *blk) {
+    switch (qtype) {
+        case T_Q4_0: return nibbles32_vec(blk + 2);
+        case T_Q4_1: return nibbles32_vec(blk + 4);
         case T_Q5_0: {
             uint32_t qh;
             memcpy(&qh, blk + 2, 4);
-            *d = load_half(blk);
-            *dm = 16.0f * *d;
             return _mm256_or_si256(nibbles32_vec(blk + 6), _mm256_and_si256(
                 bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
         }
-        case T_Q8_0:
-            *d = load_half(blk);
-            *dm = 0.0f;
-            return _mm256_loadu_si256((const __m256i *)(blk + 2));
-        default: {   /* I4G */
-            float m;
-            memcpy(d, blk, 4);
-            memcpy(&m, blk + 4, 4);
-            *dm = -m;
-            return nibbles32_vec(blk + 8);
-        }
+        case T_Q8_0: return _mm256_loadu_si256((const __m256i *)(blk + 2));
+        default: return nibbles32_vec(blk + 8);   /* I4G */
     }
 }
 
@@ -58,15 +80,18 @@ static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, c
     __m128 acc = _mm_setzero_ps();                                                              \
     for (int64_t b = 0; b < K / 32; b++) {                                                      \
         const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));                   \
+        const uint8_t *blk[PANEL];                                                              \
         __m256i v[PANEL];                                                                       \
-        float d[PANEL], dm[PANEL];                                                              \
         for (int r = 0; r < PANEL; r++) {                                                       \
+            blk[r] = rows[r] + BYTES * b;                                                       \
             if (ahead && !(b & 1))                                                              \
-                prefetch_bytes(rows[r] + PANEL * stride + BYTES * b, 2 * BYTES);                \
-            const __m256i u = direct_bytes(QTYPE, rows[r] + BYTES * b, &d[r], &dm[r]);          \
+                prefetch_bytes(blk[r] + PANEL * stride, 2 * BYTES);                             \
+            const __m256i u = direct_bytes(QTYPE, blk[r]);                                      \
             v[r] = QTYPE == T_Q8_0 ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))      \
                                    : DOT_U8S8(u, a);                                            \
         }                                                                                       \
+        __m128 d, dm;                                                                           \
+        direct_scales(QTYPE, blk, &d, &dm);                                                     \
         acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),       \
             _mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1])));                       \
     }                                                                                           \
@@ -141,8 +166,8 @@ static void direct_q4_k(const uint8_t *w, int64_t stride, int live, const int8_t
                     _mm256_shuffle_epi8(sc[r], pick[2 * i + 1])));
             }
         }
-        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
-                                           direct_i2(mins, xs + 16 * b)));
+        acc = _mm_add_ps(acc, direct_terms(_mm_loadu_ps(d), _mm_loadu_ps(dm), xd[b],
+                                           hsum4(v[0], v[1], v[2], v[3]), direct_i2(mins, xs + 16 * b)));
     }
     _mm_storeu_ps(out, acc);
 }
@@ -196,8 +221,8 @@ static void direct_q6_k(const uint8_t *w, int64_t stride, int live, const int8_t
                         _mm256_maddubs_epi16(c[k], a[k]), _mm256_shuffle_epi8(half, pick[k])));
             }
         }
-        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),
-                                           direct_i2(scales, xs + 16 * b)));
+        acc = _mm_add_ps(acc, direct_terms(_mm_loadu_ps(d), _mm_loadu_ps(dm), xd[b],
+                                           hsum4(v[0], v[1], v[2], v[3]), direct_i2(scales, xs + 16 * b)));
     }
     _mm_storeu_ps(out, acc);
 }
