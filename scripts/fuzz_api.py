@@ -95,9 +95,10 @@ def fuzz_schema(base_url: str | None, *, seed: int, max_examples: int, gen_token
 
 
 def _generation_cap(raw_schema: dict, gen_tokens: int):
-    """A body mapper: max_tokens / max_completion_tokens within the documented range become at
-    most `gen_tokens` (absent: `gen_tokens`), n at most MAX_FUZZ_N; anything out of range is
-    left for the server, so valid bodies stay valid and invalid ones invalid."""
+    """A body mapper: max_tokens / max_completion_tokens / max_output_tokens within the
+    documented range become at most `gen_tokens` (absent: `gen_tokens`), n at most MAX_FUZZ_N;
+    anything out of range is left for the server, so valid bodies stay valid and invalid ones
+    invalid."""
     schemas = raw_schema["components"]["schemas"]
 
     def documented_max(model: str, field: str) -> int:
@@ -105,13 +106,16 @@ def _generation_cap(raw_schema: dict, gen_tokens: int):
     limits = {"max_tokens": (gen_tokens, documented_max("CompletionRequest", "max_tokens")),
               "max_completion_tokens": (gen_tokens, documented_max("ChatCompletionRequest",
                                                                    "max_completion_tokens")),
+              "max_output_tokens": (gen_tokens, documented_max("ResponsesRequest",
+                                                               "max_output_tokens")),
               "n": (MAX_FUZZ_N, documented_max("CompletionRequest", "n"))}
 
     def cap(body: Any) -> Any:
         if not isinstance(body, dict):
             return body
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = gen_tokens
+        if all(body.get(k) is None for k in limits if k != "n"):
+            # /v1/responses (the only body with `input`) names it max_output_tokens
+            body["max_output_tokens" if "input" in body else "max_tokens"] = gen_tokens
         for key, (most, top) in limits.items():
             value = body.get(key)
             if type(value) is int and most < value <= top:

@@ -28,6 +28,7 @@ from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSE
                                                  request_body)
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.pipeline.ingress.replica_secret import ReplicaSecretCheck
+from pagedserve.pipeline.ingress.responses_api import RESPONSES_MODELS, add_responses_route
 from pagedserve.pipeline.ingress.tokenize import REQUEST_MODELS as TOKENIZE_MODELS
 from pagedserve.pipeline.ingress.tokenize import add_token_routes
 
@@ -59,7 +60,7 @@ def build_app(ctx: IngressContext,
     app.add_middleware(HeaderLimits)  # outermost: bounds the headers before anything reads them
     install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None,
                     request_models=(*TOKENIZE_MODELS, InfillRequest, InfillResponse,
-                                    *MESSAGES_MODELS))
+                                    *MESSAGES_MODELS, *RESPONSES_MODELS))
     v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 
     async def check_api_key(request: Request) -> None:
@@ -101,6 +102,7 @@ def build_app(ctx: IngressContext,
     add_token_routes(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
     add_infill_route(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
     add_messages_route(app, ctx, LIMIT_ERRORS)  # Anthropic's API: its own errors and keys
+    add_responses_route(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
 
     @app.get("/health", response_class=Response, responses={**HEALTH_RESPONSES, **LIMIT_ERRORS})
     async def health() -> Response:

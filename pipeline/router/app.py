@@ -27,6 +27,7 @@ from pagedserve.pipeline.router.models import ModelUnavailable
 from pagedserve.pipeline.router.passthrough import anthropic_error, stream_messages
 from pagedserve.pipeline.router.prompts import NON_GENERATING
 from pagedserve.pipeline.router.ratelimit import retry_after_header
+from pagedserve.pipeline.router.responses import stream_responses
 from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
 from pagedserve.pipeline.router.upstream import DONE, ReplicaRefused
 
@@ -72,7 +73,7 @@ class ApiKeys:
 
 
 # Streams the router passes through as they come (not resumed): the others are OpenAI's.
-_STREAMS = {"messages": stream_messages, "infill": stream_infill}
+_STREAMS = {"messages": stream_messages, "infill": stream_infill, "responses": stream_responses}
 
 
 async def _generate(service: RouterService, keys: ApiKeys, kind: str,
@@ -120,6 +121,10 @@ def build_router_app(service: RouterService, api_keys: list[str],
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await _generate(service, keys, "messages", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(service, keys, "responses", request)
 
     # vLLM's /tokenize and /detokenize, llama.cpp's /infill: the same keys and limits
     for path, kind in (("/tokenize", "tokenize"), ("/detokenize", "detokenize"),

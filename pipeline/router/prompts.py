@@ -29,6 +29,18 @@ def _system(kind: str, body: dict[str, Any]) -> str:
     return _content({"content": body.get("system")}) if kind == "messages" else ""
 
 
+def _responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """/v1/responses (OpenAI's): instructions and input items as chat messages."""
+    given = body.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else \
+        [i for i in given if isinstance(i, dict)] if isinstance(given, list) else []
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    return {"messages": system + [{"role": i.get("role", "tool"),
+                                   "content": i.get("content", i.get("output", ""))}
+                                  for i in items]}
+
+
 def _infill_text(body: dict[str, Any]) -> str:
     """/infill's text in the order the FIM prompt puts it: the extra files, then the prefix
     (the suffix and the middle after them)."""
@@ -42,6 +54,8 @@ def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
     """The part of the prompt a conversation keeps from turn to turn: for chat, the messages up
     to and including the first user message (later turns only append); for a completion, the
     prompt (its first one for a batch); for /infill, the context before the gap."""
+    if kind == "responses":
+        kind, body = "chat", _responses_as_chat(body)
     if kind == "infill":
         return _infill_text(body)
     if kind == "detokenize":
@@ -66,6 +80,8 @@ def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
 
 def estimate_prompt_tokens(kind: str, body: dict[str, Any]) -> int:
     """The prompt's tokens, from its length (token ids: their count)."""
+    if kind == "responses":
+        kind, body = "chat", _responses_as_chat(body)
     if kind == "infill":
         tail = [body.get(k) for k in ("input_suffix", "prompt")]
         return (len(_infill_text(body)) + sum(len(t) for t in tail if isinstance(t, str))) \
@@ -88,7 +104,8 @@ def estimate_generation(body: dict[str, Any], kind: str = "") -> int:
     what it used); nothing for a route that generates nothing."""
     if kind in NON_GENERATING:
         return 0
-    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    most = body.get("max_completion_tokens") or body.get("max_tokens") or \
+        body.get("max_output_tokens")  # /v1/responses
     if most is None and isinstance(body.get("n_predict"), int) and body["n_predict"] > 0:
         most = body["n_predict"]
     n = body.get("n") or 1

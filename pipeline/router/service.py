@@ -30,7 +30,7 @@ from pagedserve.pipeline.router.upstream import DONE, ReplicaBroken, ReplicaRefu
 log = logging.getLogger("pagedserve.router")
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
-         "messages": "/v1/messages",
+         "messages": "/v1/messages", "responses": "/v1/responses",
          "tokenize": "/tokenize", "detokenize": "/detokenize", "infill": "/infill"}
 
 

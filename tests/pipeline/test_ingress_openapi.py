@@ -14,7 +14,7 @@ from pagedserve.pipeline.ingress.protocol import (LIMIT_KEY, ChatCompletionReque
 from pagedserve.pipeline.ingress.testing import make_test_context
 
 ROUTES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get",
-          "/v1/messages": "post", "/tokenize": "post", "/detokenize": "post", "/infill": "post",
+          "/v1/messages": "post", "/v1/responses": "post", "/tokenize": "post", "/detokenize": "post", "/infill": "post",
           "/health": "get", "/version": "get", "/metrics": "get"}
 # Behind the API key: /v1, and vLLM's and llama.cpp's routes outside it.
 KEYED = {path for path in ROUTES if path.startswith("/v1/")} | {"/tokenize", "/detokenize",
