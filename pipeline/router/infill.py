@@ -11,15 +11,11 @@ ends the stream with an error event. The key pays what the last event reports
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
-import httpx
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
-from pagedserve.pipeline.router.ratelimit import retry_after_header
-from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
-from pagedserve.pipeline.router.upstream import ReplicaRefused
+from pagedserve.pipeline.router.passthrough import NOT_RESUMED, pass_through, router_error
+from pagedserve.pipeline.router.service import Routed, RouterService
 
 
 class InfillUsage:
@@ -45,42 +41,9 @@ def _refusal(status: int, message: str, code: str) -> bytes:
                                  "code": code}}).encode()
 
 
+def _failure_event() -> bytes:
+    return b"data: " + _refusal(502, NOT_RESUMED.format("/infill"), "replica_failed") + b"\n\n"
+
+
 async def stream_infill(service: RouterService, routed: Routed) -> Response:
-    """Open the stream on a replica before sending headers, so that a refusal is a status."""
-    try:
-        replica, resp = await service.open_stream(routed)
-    except ReplicaRefused as refused:
-        service.unserved(routed)
-        await service.models.release(routed.model)
-        return Response(refused.body, status_code=refused.status, headers=refused.headers,
-                        media_type="application/json")
-    except RouterError as exc:
-        service.unserved(routed)
-        await service.models.release(routed.model)
-        headers = dict(exc.headers)
-        if exc.retry_after is not None:
-            headers["Retry-After"] = retry_after_header(exc.retry_after)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-    except BaseException:
-        await service.models.release(routed.model)
-        raise
-    usage = InfillUsage()
-    failure: list[str] = []
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for line in resp.aiter_lines():
-                usage.feed(line)
-                yield line.encode() + b"\n"
-        except httpx.HTTPError as exc:  # after the headers: only the stream can tell
-            failure.append(f"{type(exc).__name__}: {exc}")
-            yield b"data: " + _refusal(502, "the replica failed mid-stream; an /infill stream "
-                                       "is not resumed on another replica",
-                                       "replica_failed") + b"\n\n"
-
-    async def on_close() -> None:
-        await resp.aclose()
-        service.close_stream(routed, replica, failure[0] if failure else None, usage.used)
-        await service.models.release(routed.model)
-
-    return EngineStreamResponse(body(), on_close)
+    return await pass_through(service, routed, InfillUsage(), router_error, _failure_event)

@@ -15,15 +15,11 @@ is. A client that needs continuity over replicas sends the conversation as `inpu
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
 
-import httpx
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
-from pagedserve.pipeline.router.ratelimit import retry_after_header
-from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
-from pagedserve.pipeline.router.upstream import ReplicaRefused
+from pagedserve.pipeline.router.passthrough import NOT_RESUMED, pass_through, router_error
+from pagedserve.pipeline.router.service import Routed, RouterService
 
 _FINAL = ('"response.completed"', '"response.incomplete"')
 
@@ -45,57 +41,12 @@ class ResponsesStreamUsage:
         self.used = used
 
 
-def _router_error(exc: RouterError) -> JSONResponse:
-    headers = dict(exc.headers)
-    if exc.retry_after is not None:
-        headers["Retry-After"] = retry_after_header(exc.retry_after)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-def _failure_event(message: str) -> bytes:
-    error = {"type": "error", "code": "replica_failed", "message": message, "param": None}
+def _failure_event() -> bytes:
+    error = {"type": "error", "code": "replica_failed", "message": NOT_RESUMED.format("response"),
+             "param": None}
     return b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"
 
 
 async def stream_responses(service: RouterService, routed: Routed) -> Response:
-    return await pass_through(service, routed, ResponsesStreamUsage(), _router_error,
+    return await pass_through(service, routed, ResponsesStreamUsage(), router_error,
                               _failure_event)
-
-
-async def pass_through(service: RouterService, routed: Routed, usage, refuse: Callable[
-                       [RouterError], Response], failure_event: Callable[[str], bytes]
-                       ) -> Response:
-    """Open the stream on a replica before sending headers, so that a refusal is a status, then
-    pass its lines through; `usage.feed(line)` reads what the key pays (`usage.used`)."""
-    try:
-        replica, resp = await service.open_stream(routed)
-    except ReplicaRefused as refused:
-        service.unserved(routed)
-        await service.models.release(routed.model)
-        return Response(refused.body, status_code=refused.status, headers=refused.headers,
-                        media_type="application/json")
-    except RouterError as exc:
-        service.unserved(routed)
-        await service.models.release(routed.model)
-        return refuse(exc)
-    except BaseException:
-        await service.models.release(routed.model)
-        raise
-    failure: list[str] = []
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for line in resp.aiter_lines():
-                usage.feed(line)
-                yield line.encode() + b"\n"
-        except httpx.HTTPError as exc:  # after the headers: only the stream can tell
-            failure.append(f"{type(exc).__name__}: {exc}")
-            yield failure_event("the replica failed mid-stream; a response stream is not "
-                                "resumed on another replica")
-
-    async def on_close() -> None:
-        await resp.aclose()
-        service.close_stream(routed, replica, failure[0] if failure else None, usage.used)
-        await service.models.release(routed.model)
-
-    return EngineStreamResponse(body(), on_close)
