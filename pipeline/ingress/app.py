@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedserve.pipeline.ingress.anthropic_messages import MESSAGES_MODELS, add_messages_route
+from pagedserve.pipeline.ingress.capabilities import model_capabilities
 from pagedserve.pipeline.ingress.chat import create_chat_completion
 from pagedserve.pipeline.ingress.completions import create_completion
 from pagedserve.pipeline.ingress.context import IngressContext
@@ -88,13 +89,16 @@ def build_app(ctx: IngressContext,
         """Chat completion: the messages through the model's chat template."""
         return await create_chat_completion(ctx, request)
 
+    capabilities = model_capabilities(ctx.tokenizer, ctx.tool_call_parser, ctx.reasoning_parser)
+
     @v1.get("/models", response_model=None, responses={200: {"model": ModelList}, **v1_errors})
     async def models() -> dict:
-        """The served model."""
+        """The served model, with what it can do (`capabilities`)."""
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
-             "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
+             "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len,
+             "capabilities": capabilities}
             for name in ctx.served_model_names]}
 
     app.include_router(v1)

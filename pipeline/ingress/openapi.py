@@ -136,6 +136,8 @@ class ModelCard(BaseModel):
     root: str
     parent: None
     max_model_len: int
+    capabilities: list[Literal["completion", "chat", "tools", "insert", "thinking",
+                               "json_schema"]]
 
 
 class ModelList(BaseModel):

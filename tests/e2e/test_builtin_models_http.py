@@ -82,6 +82,8 @@ def test_qwen_fills_in_the_middle_and_counts_tokens(qwen):
     cmpl = sdk.completions.create(model=QWEN, prompt=prefix, suffix=suffix, max_tokens=8,
                                   temperature=0)
     assert cmpl.choices[0].text.startswith("a + b"), cmpl.choices[0].text
+    (card,) = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+    assert {"chat", "tools", "insert"} <= set(card["capabilities"]), card
     tokenizer = load_tokenizer(model_dir)
     r = httpx.post(f"{base}/tokenize", timeout=60, json={"prompt": prefix})
     assert r.json()["tokens"] == tokenizer.encode(prefix)

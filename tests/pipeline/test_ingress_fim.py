@@ -141,3 +141,21 @@ def test_real_tokenizers_qwen_coder_has_fim_smollm2_has_none():
                                 "<|file_sep|>filename\n<|fim_prefix|>def add(a, b):\n    "
                                 "<|fim_suffix|>\n\nprint(add(1, 2))<|fim_middle|>")
     assert fim_tokens(load_tokenizer(resolve_model(TEST_MODEL))) is None
+
+
+def test_models_lists_what_the_model_can_do(fim_tokenizer):
+    async def capabilities(tokenizer, **settings) -> list[str]:
+        ctx, _engine = make_test_context(tokenizer)
+        for name, value in settings.items():
+            setattr(ctx, name, value)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
+                                     base_url="http://test") as client:
+            (card,) = (await client.get("/v1/models")).json()["data"]
+        return card["capabilities"]
+    plain = make_tiny_tokenizer()
+    chat = ["chat"] if plain.chat_template else []
+    assert asyncio.run(capabilities(plain)) == ["completion", *chat, "json_schema"]
+    tools = ["chat", "tools"] if fim_tokenizer.chat_template else []
+    assert asyncio.run(capabilities(fim_tokenizer, tool_call_parser="hermes",
+                                    reasoning_parser="qwen3")) == \
+        ["completion", *tools, "insert", "thinking", "json_schema"]

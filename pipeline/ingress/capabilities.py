@@ -1,0 +1,26 @@
+"""What the served model can do, as `/v1/models` reports it (Ollama's capability names, plus
+this server's): read once from the tokenizer and the ingress's settings."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.pipeline.ingress.fim import fim_tokens
+
+
+def model_capabilities(tokenizer: Any, tool_call_parser: str | None,
+                       reasoning_parser: str | None) -> list[str]:
+    """`completion` always; `chat` with a chat template; `tools` when tool_choice auto reads
+    calls (a parser, from --tool-call-parser or the template); `insert` with fill-in-the-middle
+    tokens (suffix, /infill); `thinking` with --reasoning-parser; `json_schema` always
+    (response_format and guided decoding)."""
+    found = ["completion"]
+    if getattr(tokenizer, "chat_template", None):
+        found.append("chat")
+        if tool_call_parser is not None:
+            found.append("tools")
+    if fim_tokens(tokenizer) is not None:
+        found.append("insert")
+    if reasoning_parser is not None:
+        found.append("thinking")
+    found.append("json_schema")
+    return found
