@@ -29,11 +29,11 @@ from pagedserve.pipeline.ingress.chat import PreparedChat, prepare_chat
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import (collect_until_done, prepend,
+from pagedserve.pipeline.ingress.generation import (collect_output, collect_until_done, prepend,
                                                     stream_requests)
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import parse_request, read_body
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -109,11 +109,7 @@ class _MessageView:
                           "output_tokens": output_tokens}}
 
     async def collect(self, stream: AsyncIterator) -> RequestOutput:
-        r = self.engine_request
-        out = RequestOutput(r.request_id, None, r.prompt_token_ids, [CompletionOutput(index=0)])
-        async for _, delta in stream:
-            out.apply(delta)
-        return out
+        return await collect_output(self.engine_request, stream)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         s = out.outputs[0]

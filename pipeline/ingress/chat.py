@@ -12,7 +12,8 @@ from starlette.responses import Response
 
 from pagedserve.pipeline.ingress.context import IngressContext, Ticket
 from pagedserve.pipeline.ingress.errors import invalid
-from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
+from pagedserve.pipeline.ingress.generation import (EngineRequest, collect_output, new_request_id,
+                                                    prepend, respond, usage)
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.logprobs import chat_logprobs
 from pagedserve.pipeline.ingress.reasoning import answer_only
@@ -22,7 +23,7 @@ from pagedserve.pipeline.ingress.tools import ToolPlan, plan_tools
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict] | None = None,
@@ -136,12 +137,7 @@ class _ChatView:
         return chat_logprobs(self.ctx.token_text, token_ids, logprobs, top_logprobs, self.num_top)
 
     async def collect(self, stream: AsyncIterator) -> RequestOutput:
-        r = self.engine_request
-        out = RequestOutput(r.request_id, None, r.prompt_token_ids,
-                            [CompletionOutput(index=i) for i in range(self.n)])
-        async for _, delta in stream:
-            out.apply(delta)
-        return out
+        return await collect_output(self.engine_request, stream, self.n)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         with self.ctx.guard.section(self.key):

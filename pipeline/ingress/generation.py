@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from pagedserve.pipeline.ingress.context import IngressContext, Ticket
 from pagedserve.pipeline.ingress.errors import APIError, from_engine_error
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse, with_error_event
-from pagedserve.pipeline.outputs import RequestError
+from pagedserve.pipeline.outputs import CompletionOutput, RequestError, RequestOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -29,6 +29,16 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+async def collect_output(request: EngineRequest, stream: AsyncIterator, n: int = 1
+                         ) -> RequestOutput:
+    """One request's whole output, its `n` samples' deltas applied as they come."""
+    out = RequestOutput(request.request_id, None, request.prompt_token_ids,
+                        [CompletionOutput(index=i) for i in range(n)])
+    async for _, delta in stream:
+        out.apply(delta)
+    return out
 
 
 def new_request_id(prefix: str) -> str:

@@ -23,14 +23,15 @@ from starlette.responses import Response
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.fim import ExtraFile, fim_prompt, require_fim
-from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond
+from pagedserve.pipeline.ingress.generation import (EngineRequest, collect_output, new_request_id,
+                                                    prepend, respond)
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.openapi import generation_responses, request_body
 from pagedserve.pipeline.ingress.protocol import RequestBody, documented, SamplingFields
 from pagedserve.pipeline.ingress.streaming import sse
 from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 
 class InfillExtra(RequestBody):
@@ -147,11 +148,7 @@ class _InfillView:
         return event
 
     async def collect(self, stream: AsyncIterator) -> RequestOutput:
-        r = self.engine_request
-        out = RequestOutput(r.request_id, None, r.prompt_token_ids, [CompletionOutput(index=0)])
-        async for _, delta in stream:
-            out.apply(delta)
-        return out
+        return await collect_output(self.engine_request, stream)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         sample = out.outputs[0]

@@ -22,8 +22,8 @@ from pagedserve.pipeline.ingress.chat import PreparedChat, prepare_chat
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import (collect_until_done, prepend, sse_response,
-                                                    stream_requests)
+from pagedserve.pipeline.ingress.generation import (collect_output, collect_until_done, prepend,
+                                                    sse_response, stream_requests)
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.openapi import generation_responses, request_body
 from pagedserve.pipeline.ingress.responses_openapi import ResponseObject, ResponseStreamEvent
@@ -32,7 +32,7 @@ from pagedserve.pipeline.ingress.responses_protocol import (ResponsesRequest, in
 from pagedserve.pipeline.ingress.responses_store import ResponseStore
 from pagedserve.pipeline.ingress.responses_stream import OutputEvents, output_items, usage
 from pagedserve.pipeline.ingress.validation import parse_request, read_body
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 # The models /openapi.json adds to its components for this route.
 RESPONSES_MODELS = (ResponsesRequest, ResponseObject, ResponseStreamEvent)
@@ -142,11 +142,7 @@ class ResponseView:
             "store": req.store is not False, "user": req.user}
 
     async def collect(self, stream: AsyncIterator) -> RequestOutput:
-        r = self.engine_request
-        out = RequestOutput(r.request_id, None, r.prompt_token_ids, [CompletionOutput(index=0)])
-        async for _, delta in stream:
-            out.apply(delta)
-        return out
+        return await collect_output(self.engine_request, stream)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         s = out.outputs[0]
