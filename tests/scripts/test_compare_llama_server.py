@@ -33,10 +33,13 @@ def test_server_commands(tmp_path):
                              str(64 * (1024 + 256 + 128))]
     assert llama.cmd[7:12] == ["-t", "2", "-tb", "2", "-cb"]
     assert ours.cmd[1:5] == ["-m", "pagedserve.pipeline.launch", "--model",
-                             "SmolLM2-135M-Instruct"]
+                             "Qwen2.5-Coder-0.5B-Instruct"]   # the default model
     assert ours.cmd[-2:] == ["-q", "int8"] and llama.port != ours.port
     _, ours = compare.servers(args("--gguf", "/x.gguf"), Path("b"), Path("/x.gguf"), tmp_path)
     assert ours.cmd[ours.cmd.index("--model") + 1] == "/x.gguf"
+    _, ours = compare.servers(args("--model", "SmolLM2-135M-Instruct"), Path("b"), Path("/s"),
+                              tmp_path)
+    assert ours.cmd[ours.cmd.index("--model") + 1] == "SmolLM2-135M-Instruct"
 
 
 def run(tok_s, ttft, tpot):
