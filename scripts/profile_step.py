@@ -19,7 +19,6 @@ The last line is one JSON object, stored under benchmarks/results/profile_step/.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections import defaultdict

@@ -17,20 +17,20 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedserve.pipeline.ingress.anthropic_errors import anthropic_error_response
 from pagedserve.pipeline.ingress.anthropic_openapi import (MessageStreamEvent, messages_body,
                                                            messages_responses)
 from pagedserve.pipeline.ingress.anthropic_protocol import MessagesRequest, to_chat_request
-from pagedserve.pipeline.ingress.anthropic_stream import (BlockEvents, anthropic_sse_response,
-                                                          content_blocks, event, stop_fields)
+from pagedserve.pipeline.ingress.anthropic_stream import (BlockEvents, content_blocks, event,
+                                                          stop_fields,
+                                                          with_anthropic_error_event)
 from pagedserve.pipeline.ingress.chat import PreparedChat, prepare_chat
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import (collect_output, collect_until_done, prepend,
-                                                    stream_requests)
+from pagedserve.pipeline.ingress.generation import collect_output, prepend, respond
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import parse_request, read_body
 from pagedserve.pipeline.outputs import RequestOutput
@@ -80,15 +80,10 @@ async def create_message(ctx: IngressContext, request: Request) -> Response:
         req = parse_request(MessagesRequest, decode_json_object(body))
         prepared = prepare_chat(ctx, to_chat_request(req, ctx.tool_call_parser),
                                 f"msg_{uuid.uuid4().hex}")
-    view = _MessageView(ctx, req, prepared, key)
-    events = stream_requests(ctx, [prepared.engine_request], arrival=arrival,
-                             priority=req.priority or 0)
-    if req.stream:
-        return await anthropic_sse_response(request, events, prepared.ticket, view.sse)
-    collected = await collect_until_done(request, events, prepared.ticket, view.collect)
-    if collected is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(view.response(collected))
+    return await respond(request, ctx, [prepared.engine_request], prepared.ticket,
+                         _MessageView(ctx, req, prepared, key), stream=bool(req.stream),
+                         arrival=arrival, priority=req.priority or 0,
+                         error_event=with_anthropic_error_event)
 
 
 class _MessageView:

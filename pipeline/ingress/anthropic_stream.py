@@ -10,23 +10,12 @@ reasoning is a `thinking` block. Events are framed as Anthropic frames them:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
-
 from pagedserve.pipeline.ingress.anthropic_errors import anthropic_error_body
-from pagedserve.pipeline.ingress.context import Ticket
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import sse_response
-
-_ENCODER = msgspec.json.Encoder()
-
-
-def event(payload: dict[str, Any]) -> bytes:
-    return b"event: " + payload["type"].encode() + b"\ndata: " + _ENCODER.encode(payload) + b"\n\n"
+from pagedserve.pipeline.ingress.streaming import named_event as event
 
 
 def tool_use_id(call_id: str) -> str:
@@ -135,11 +124,3 @@ async def with_anthropic_error_event(chunks: AsyncIterator[bytes]) -> AsyncItera
             yield chunk
     except APIError as exc:
         yield event(anthropic_error_body(exc.status, exc.message))
-
-
-async def anthropic_sse_response(request: Request, stream: AsyncIterator, ticket: Ticket,
-                                 render: Callable[[Any, AsyncIterator], AsyncIterator[bytes]]
-                                 ) -> Response:
-    """generation.sse_response with Anthropic's error event."""
-    return await sse_response(request, stream, ticket, render,
-                              error_event=with_anthropic_error_event)

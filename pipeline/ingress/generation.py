@@ -190,13 +190,15 @@ async def collect_until_done(request: Request, stream: AsyncIterator, ticket: Ti
 
 async def respond(request: Request, ctx: IngressContext, engine_requests: list[EngineRequest],
                   ticket: Ticket, view, *, stream: bool, arrival: float, priority: int,
-                  cache_salt: str | None) -> Response:
+                  cache_salt: str | None = None,
+                  error_event: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+                  = with_error_event) -> Response:
     """Run the engine requests and answer with SSE chunks or one JSON body shaped by `view`
-    (an object with `sse`, `collect` and `response`)."""
+    (an object with `sse`, `collect` and `response`); `error_event`: see `sse_response`."""
     events = stream_requests(ctx, engine_requests, arrival=arrival, priority=priority,
                              cache_salt=cache_salt)
     if stream:
-        return await sse_response(request, events, ticket, view.sse)
+        return await sse_response(request, events, ticket, view.sse, error_event)
     collected = await collect_until_done(request, events, ticket, view.collect)
     if collected is None:
         return Response(status_code=499)  # the client is gone; nobody reads this

@@ -16,14 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedserve.pipeline.ingress.chat import PreparedChat, prepare_chat
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import APIError
-from pagedserve.pipeline.ingress.generation import (collect_output, collect_until_done, prepend,
-                                                    sse_response, stream_requests)
+from pagedserve.pipeline.ingress.generation import collect_output, prepend, respond
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.openapi import generation_responses, request_body
 from pagedserve.pipeline.ingress.responses_openapi import ResponseObject, ResponseStreamEvent
@@ -77,15 +76,9 @@ async def create_response(ctx: IngressContext, store: ResponseStore, request: Re
     def keep(output: list[dict[str, Any]]) -> None:
         if req.store is not False:  # store: false answers without keeping the conversation
             store.put(prepared.engine_request.request_id, items + output)
-    view = ResponseView(ctx, req, prepared, key, on_done=keep)
-    events = stream_requests(ctx, [prepared.engine_request], arrival=arrival,
-                             priority=req.priority or 0)
-    if req.stream:
-        return await sse_response(request, events, prepared.ticket, view.sse)
-    collected = await collect_until_done(request, events, prepared.ticket, view.collect)
-    if collected is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(view.response(collected))
+    return await respond(request, ctx, [prepared.engine_request], prepared.ticket,
+                         ResponseView(ctx, req, prepared, key, on_done=keep),
+                         stream=bool(req.stream), arrival=arrival, priority=req.priority or 0)
 
 
 # Fields of the chat request whose errors name them, and their names in this API.

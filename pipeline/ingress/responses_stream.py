@@ -12,13 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-_ENCODER = msgspec.json.Encoder()
-
-
-def event(payload: dict[str, Any]) -> bytes:
-    return b"event: " + payload["type"].encode() + b"\ndata: " + _ENCODER.encode(payload) + b"\n\n"
+from pagedserve.pipeline.ingress.streaming import named_event as event
 
 
 def call_item_id(call_id: str) -> str:

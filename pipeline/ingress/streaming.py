@@ -18,6 +18,13 @@ def sse(chunk: Any) -> bytes:
     return b"data: " + _ENCODER.encode(chunk) + b"\n\n"
 
 
+def named_event(payload: dict[str, Any]) -> bytes:
+    """`event: <payload's type>` then its data: the event streams of Anthropic's Messages and
+    OpenAI's Responses APIs."""
+    return (b"event: " + payload["type"].encode() + b"\ndata: " + _ENCODER.encode(payload)
+            + b"\n\n")
+
+
 def sse_error(exc: APIError) -> bytes:
     return sse(exc.body())
 

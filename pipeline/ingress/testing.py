@@ -169,3 +169,20 @@ def make_test_context(tokenizer=None, *, max_model_len: int = 64, max_queued_req
                          admission=AdmissionController(max_queued_requests, max_num_seqs),
                          api_key=api_key, max_request_bytes=max_request_bytes)
     return ctx, engine
+
+
+def run_with_client(test, tokenizer=None, **ctx_kwargs) -> None:
+    """Run `await test(client, ctx, engine)` against a fresh app over a FakeEngine
+    (`make_test_context(tokenizer, **ctx_kwargs)`)."""
+    import asyncio
+
+    import httpx
+
+    from pagedserve.pipeline.ingress.app import build_app
+
+    async def main():
+        ctx, engine = make_test_context(tokenizer, **ctx_kwargs)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
+                                     base_url="http://test") as client:
+            await test(client, ctx, engine)
+    asyncio.run(main())

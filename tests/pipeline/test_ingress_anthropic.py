@@ -5,7 +5,6 @@ assembles to the non-streamed content blocks."""
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from pagedserve.pipeline.ingress import build_app
@@ -13,6 +12,7 @@ from pagedserve.pipeline.ingress.anthropic_protocol import MessagesRequest, to_c
 from pagedserve.pipeline.ingress.anthropic_stream import BlockEvents, content_blocks
 from pagedserve.pipeline.ingress.chat_output import ChoiceShaper
 from pagedserve.pipeline.ingress.errors import APIError
+from pagedserve.pipeline.ingress import testing
 from pagedserve.pipeline.ingress.testing import make_test_context
 from pagedserve.pipeline.ingress.tools import plan_tools
 
@@ -21,12 +21,7 @@ KEY = {"x-api-key": "k"}
 
 
 def run_with_client(test, **ctx_kwargs):
-    async def main():
-        ctx, engine = make_test_context(api_key="k", **ctx_kwargs)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
-                                     base_url="http://test") as client:
-            await test(client, ctx, engine)
-    asyncio.run(main())
+    testing.run_with_client(test, api_key="k", **ctx_kwargs)
 
 
 def events_of(text: str) -> list[tuple[str, dict]]:

@@ -1,25 +1,12 @@
 """The OpenAI-compatible routes against a fake engine: response shapes, streaming, n, echo,
 logprobs, finish reasons, auth, models/health/version."""
-import asyncio
 import json
 
-import httpx
 import pytest
 
-from pagedserve.pipeline.ingress import build_app
-from pagedserve.pipeline.ingress.testing import TOY_ALPHABET, make_test_context
+from pagedserve.pipeline.ingress.testing import TOY_ALPHABET, run_with_client
 
 MSGS = [{"role": "user", "content": "hi"}]
-
-
-def run_with_client(test, **ctx_kwargs):
-    """Run `await test(client, ctx, engine)` against a fresh app over a FakeEngine."""
-    async def main():
-        ctx, engine = make_test_context(**ctx_kwargs)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
-                                     base_url="http://test") as client:
-            await test(client, ctx, engine)
-    asyncio.run(main())
 
 
 def sse_events(text: str) -> list:

@@ -9,7 +9,8 @@ import pytest
 
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.fim import ExtraFile, FimTokens, fim_prompt, fim_tokens
-from pagedserve.pipeline.ingress.testing import make_test_context, make_tiny_tokenizer
+from pagedserve.pipeline.ingress.testing import (make_test_context, make_tiny_tokenizer,
+                                                 run_with_client)
 
 QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>",
             "<|file_sep|>"]
@@ -24,12 +25,7 @@ def fim_tokenizer():
 
 
 def run(test, tokenizer=None, **ctx_kwargs):
-    async def main():
-        ctx, engine = make_test_context(tokenizer, max_model_len=128, **ctx_kwargs)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
-                                     base_url="http://test") as client:
-            await test(client, ctx, engine)
-    asyncio.run(main())
+    run_with_client(test, tokenizer, max_model_len=128, **ctx_kwargs)
 
 
 def test_fim_tokens_found_in_the_vocabulary_or_none(fim_tokenizer):

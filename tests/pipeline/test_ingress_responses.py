@@ -6,7 +6,6 @@ non-streamed output items."""
 import asyncio
 import json
 
-import httpx
 import pytest
 from openai.types.responses import Response as SDKResponse
 
@@ -17,6 +16,7 @@ from pagedserve.pipeline.ingress.responses_protocol import (ResponsesRequest, in
                                                             to_chat_request)
 from pagedserve.pipeline.ingress.responses_store import ResponseStore
 from pagedserve.pipeline.ingress.responses_stream import OutputEvents, output_items
+from pagedserve.pipeline.ingress import testing
 from pagedserve.pipeline.ingress.testing import make_test_context
 from pagedserve.pipeline.ingress.tools import plan_tools
 
@@ -24,12 +24,7 @@ KEY = {"Authorization": "Bearer k"}
 
 
 def run_with_client(test, **ctx_kwargs):
-    async def main():
-        ctx, engine = make_test_context(api_key="k", **ctx_kwargs)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
-                                     base_url="http://test") as client:
-            await test(client, ctx, engine)
-    asyncio.run(main())
+    testing.run_with_client(test, api_key="k", **ctx_kwargs)
 
 
 def events_of(text: str) -> list[tuple[str, dict]]:

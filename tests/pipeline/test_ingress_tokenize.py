@@ -1,23 +1,13 @@
 """/tokenize and /detokenize (vLLM's shapes) against a fake engine: the counts a generation
 request would use, the chat template, token strings, the key, and every refusal a 400."""
-import asyncio
-
-import httpx
 import pytest
 
-from pagedserve.pipeline.ingress import build_app
-from pagedserve.pipeline.ingress.testing import make_test_context
+from pagedserve.pipeline.ingress.testing import make_test_context, run_with_client
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def run(test, **ctx_kwargs):
-    async def main():
-        ctx, engine = make_test_context(**ctx_kwargs)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)),
-                                     base_url="http://test") as client:
-            await test(client, ctx, engine)
-    asyncio.run(main())
+run = run_with_client
 
 
 def test_tokenize_a_prompt_counts_what_a_completion_would_submit():
