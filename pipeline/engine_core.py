@@ -7,6 +7,11 @@ plan on the WorkerCore, applies the result and lets the detokenizer turn the tok
 whatever the roles would have sent a client comes back from `submit`/`step` as those messages
 (DeltaBatch, RequestRejected, RequestFailed). Tensor parallel size 1 only.
 
+Steps run through the scheduler process's StepLoop: with overlapped scheduling on
+(`--async-scheduling`, the default) the step of steady decodes behind each step is planned
+before its result is applied, and the worker takes that step's tokens from its own samples,
+as the worker ranks of a process group do.
+
 A debugger steps from `Scheduler.schedule()` through `ModelRunner.execute()` to the logits and
 back; `LLM(..., in_process=True)` and the benchmarks that need no processes run on it.
 """
@@ -23,6 +28,7 @@ from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.detokenizer.service import DetokenizerService
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
 from pagedserve.pipeline.scheduler.service import SchedulerService
+from pagedserve.pipeline.scheduler.step_loop import StepLoop
 
 log = logging.getLogger("pagedserve.engine_core")
 
@@ -58,6 +64,9 @@ class EngineCore:
         self._to_scheduler = transport.Dispatcher("scheduler", self.service.handlers(), log=log)
         self._to_detokenizer = transport.Dispatcher("detokenizer", self.detokenizer.handlers(),
                                                     log=log)
+        self._sent: deque[messages.StepPlan] = deque()  # plans the worker has yet to run, in order
+        self.loop = StepLoop(self.service, self._send_plan,
+                             overlap=config.scheduling.async_scheduling)
 
     @classmethod
     def build(cls, config: EngineConfig) -> "EngineCore":
@@ -99,10 +108,15 @@ class EngineCore:
         if self.service.compiling and not self.scheduler.has_unfinished():
             time.sleep(0.002)  # only grammars compiling: nothing to step yet
             return self._deliver()
-        plan = self.scheduler.schedule(now)
-        result = self.worker.execute(plan)
-        self.service.on_step_result(plan, result)
+        if self.loop.ready():
+            self.loop.start(now)
+        if self._sent:
+            self.loop.on_result(self.worker.execute(self._sent.popleft()))
         return self._deliver()
+
+    def _send_plan(self, plan: messages.StepPlan) -> bool:
+        self._sent.append(plan)
+        return True
 
     def _post(self, to: transport.Dispatcher | None, msg: Any, sender: bytes | None = None
               ) -> None:

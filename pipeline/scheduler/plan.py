@@ -28,7 +28,7 @@ class PlanBuilder:
 
     __slots__ = ("step_id", "budget", "new_seqs", "scheduled", "swap_out", "swap_in", "copy",
                  "forks", "lanes", "lane_ids", "lane_tokens", "lane_blocks", "lane_fills", "seqs",
-                 "fork_children", "num_finished", "verified")
+                 "fork_children", "num_finished", "verified", "plan")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -50,6 +50,7 @@ class PlanBuilder:
         self.fork_children: list[Sequence] = []
         self.num_finished = 0  # planned sequences finished (aborted, stopped) while in flight
         self.verified: list[tuple[int, int]] = []  # (drafts, accepted) per speculating sequence
+        self.plan: StepPlan | None = None  # the message built, once built
 
     def add_full(self, seq: Sequence, new: NewSeq, num_tokens: int,
                  drafts: list[int] = NO_BLOCKS) -> None:
@@ -70,9 +71,10 @@ class PlanBuilder:
             self.lane_blocks.append((index, block))
 
     def build(self, finished_seq_ids: list[int], shared_tables: SharedTables | None) -> StepPlan:
-        return StepPlan(self.step_id, self.new_seqs, self.scheduled, self.swap_out, self.swap_in,
+        self.plan = StepPlan(self.step_id, self.new_seqs, self.scheduled, self.swap_out, self.swap_in,
                         self.copy, self.forks, finished_seq_ids, shared_tables, self.lane_ids,
                         self.lane_tokens, self.lane_blocks)
+        return self.plan
 
 
 def lane_cap(seq: Sequence, block_size: int) -> int:

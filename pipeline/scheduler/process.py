@@ -31,6 +31,7 @@ from pagedserve.pipeline import messages
 from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.scheduler import Scheduler, SchedulerConfig
 from pagedserve.pipeline.scheduler.service import SchedulerService
+from pagedserve.pipeline.scheduler.step_loop import StepLoop
 
 log = logging.getLogger("pagedserve.scheduler")
 IDLE_POLL_MS = 1000
@@ -54,7 +55,6 @@ class SchedulerProcess:
         self.busy_at = time.monotonic()
         trace = cfg.env.step_trace
         self.trace = open(trace, "a", encoding="utf-8") if trace else None
-        self.last_schedule_ms = 0.0
         self.instance = uuid.uuid4().hex[:12]
         self.epoch = 0
         self.faults = faults
@@ -74,12 +74,7 @@ class SchedulerProcess:
         self.control = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
         self.block_tables = None
         self.service: SchedulerService | None = None
-        self.inflight: messages.StepPlan | None = None
-        self.inflight_since = 0.0
-        # Overlapped scheduling (lookahead.py): the plan sent behind `inflight`, if any.
-        self.ahead: messages.StepPlan | None = None
-        self.overlap = cfg.scheduling.async_scheduling
-        self.ahead_schedule_ms = 0.0
+        self.loop: StepLoop | None = None  # the steps with the workers, built with the service
         # PAGEDSERVE_STEP_TRACE: where a step planned ahead starts, rank 0's clock when it sent
         # the result before (it had the plan by then); None: when it was sent, as for the others.
         self.trace_since: float | None = None
@@ -96,6 +91,10 @@ class SchedulerProcess:
     @property
     def token(self) -> str:
         return f"{self.instance}:{self.epoch}"
+
+    @property
+    def inflight(self) -> messages.StepPlan | None:
+        return None if self.loop is None else self.loop.inflight
 
     @property
     def workers_ready(self) -> bool:
@@ -119,7 +118,7 @@ class SchedulerProcess:
         crashed), which counts against its requests (Scheduler.reset_device_state)."""
         self.epoch += 1
         self.ready_ranks.clear()
-        self.inflight = self.ahead = None
+        self.trace_since = None
         if self.service is not None:
             scheduler = self.service.scheduler
             recovery = scheduler.reset_device_state(why, attributable)
@@ -183,6 +182,10 @@ class SchedulerProcess:
             self.service.count_unknown(role, tag)
         if self.incarnation:
             self.service.restarts["scheduler"] = self.incarnation
+        self.loop = StepLoop(self.service, self._send_plan,
+                             overlap=self.cfg.scheduling.async_scheduling,
+                             step_timeout=self.step_timeout,
+                             on_planned=lambda plan: self.faults.on_message(step=plan.step_id))
         self.dispatcher.handlers = {**self.service.handlers(), **self._group_handlers()}
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
@@ -213,8 +216,7 @@ class SchedulerProcess:
                 log.info("draining: %d request(s) in flight", len(service.scheduler.requests))
             if service.draining and self.inflight is None and not service.scheduler.has_unfinished():
                 return 0
-            can_step = self.workers_ready and self.inflight is None
-            busy = can_step and service.scheduler.has_unfinished()
+            busy = self.workers_ready and self.loop.ready()
             timeout = 0 if busy else (int(RESET_RETRY_S * 1000) if not self.workers_ready
                                       else COMPILE_POLL_MS if service.compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
@@ -230,18 +232,19 @@ class SchedulerProcess:
             now = time.monotonic()
             if not self.workers_ready and now - self.last_reset_sent > RESET_RETRY_S:
                 self._send_resets()
-            if self.inflight is not None and now - self.inflight_since > self.step_timeout:
+            hung = self.loop.overdue(now)
+            if hung is not None:
                 log.error("step %d has run %.1fs, past --step-timeout %.1fs: the worker group "
-                          "is hung", self.inflight.step_id, now - self.inflight_since, self.step_timeout)
-                transport.send(self.control, messages.StepTimeout(self.inflight.step_id, self.step_timeout))
-                self.lose_workers(f"step {self.inflight.step_id} timed out")
+                          "is hung", hung.step_id, now - self.loop.inflight_since, self.step_timeout)
+                transport.send(self.control, messages.StepTimeout(hung.step_id, self.step_timeout))
+                self.lose_workers(f"step {hung.step_id} timed out")
             if now - last_liveness >= 1.0:
                 service.abort_silent_clients()
                 transport.send(self.control, messages.Heartbeat("scheduler", os.getpid()))
                 last_liveness = now
                 self._warm_grammars_when_idle(now)
-            if self.workers_ready and self.inflight is None and service.scheduler.has_unfinished():
-                self._start_step()
+            if self.workers_ready and self.loop.ready():
+                self.loop.start(time.time())
 
     def _warm_grammars_when_idle(self, now: float) -> None:
         """Build the vocabulary's grammar tables once nothing has run for WARM_AFTER_IDLE_S (a
@@ -256,24 +259,6 @@ class SchedulerProcess:
             self.service.grammar_gate.compiler.warm()
             self.grammars_warmed = True
 
-    def _start_step(self) -> None:
-        scheduler = self.service.scheduler
-        started = time.perf_counter()
-        plan = scheduler.schedule(time.time())
-        self.last_schedule_ms = (time.perf_counter() - started) * 1e3
-        self.faults.on_message(step=plan.step_id)
-        if not (plan.decode_seq_ids or plan.scheduled or plan.new_seqs or plan.swap_out or plan.swap_in or plan.copy
-                or plan.forks or plan.finished_seq_ids):
-            # Nothing can run now (e.g. waiting for blocks that an abort will free).
-            scheduler.update(plan, messages.StepResult(plan.step_id, [], [], None, None), time.time())
-            return
-        sending = time.monotonic()
-        if not self._send_plan(plan):
-            return
-        self.inflight = plan
-        self.inflight_since = sending
-        self._plan_ahead()
-
     def _send_plan(self, plan: messages.StepPlan) -> bool:
         frames = transport.encode(plan)
         try:
@@ -285,27 +270,13 @@ class SchedulerProcess:
             return False
         return True
 
-    def _plan_ahead(self) -> None:
-        """Send the next step of steady decodes behind the one in flight, when it can only be
-        that (lookahead.py): the workers start it the moment they finish this one."""
-        if not self.overlap or self.ahead is not None:
-            return
-        started = time.perf_counter()
-        plan = self.service.scheduler.schedule_ahead()
-        if plan is None:
-            return
-        self.ahead_schedule_ms = (time.perf_counter() - started) * 1e3
-        self.faults.on_message(step=plan.step_id)
-        if self._send_plan(plan):
-            self.ahead = plan
-
     def _send_to_detok(self, msg) -> None:
         if self.trace is not None and isinstance(msg, messages.TokenBatch):
             msg.sent = time.monotonic()
         transport.send(self.detok, msg)
 
-    def _trace_step(self, plan: messages.StepPlan, timings: dict, received: float,
-                    updated: float) -> None:
+    def _trace_step(self, plan: messages.StepPlan, timings: dict, schedule_ms: float,
+                    since: float, received: float, updated: float) -> None:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and where its time
         went: schedule, send (plan sent until rank 0 has it), rank 0's forward (matmul,
         attention, other) and sample, return (result sent until here), update (the result
@@ -315,10 +286,9 @@ class SchedulerProcess:
         processes are time.monotonic(): one host's clock."""
         decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
         tokens = plan.num_tokens
-        since = self.inflight_since if self.trace_since is None else self.trace_since
         line = {"role": "scheduler", "step": plan.step_id, "decode_seqs": decodes,
                 "prefill_tokens": tokens - decodes, "prefill_seqs": plan.num_scheduled - decodes,
-                "ahead": plan.ahead, "schedule_ms": self.last_schedule_ms,
+                "ahead": plan.ahead, "schedule_ms": schedule_ms,
                 "round_trip_ms": (received - since) * 1e3,
                 "update_ms": (updated - received) * 1e3,
                 "waiting": len(self.service.scheduler.waiting)}
@@ -366,23 +336,20 @@ class SchedulerProcess:
                 messages.UnknownMessage: self._on_unknown_message}
 
     def _on_step_result(self, msg: messages.StepResult, _peer) -> None:
-        plan = self.inflight
-        if plan is None or plan.step_id != msg.step_id:
-            return  # a result from before a reset: its step was discarded
-        self.inflight = None
+        if self.loop is None:
+            return  # before the scheduler was built: nothing was sent
         if self.trace is None:
-            self.service.on_step_result(plan, msg)
-        else:
-            received = time.monotonic()
-            self.service.on_step_result(plan, msg)
-            self._trace_step(plan, msg.timings, received, time.monotonic())
-        self.trace_since = None
-        if self.ahead is not None:  # already with the workers: in flight from now on
-            self.inflight, self.ahead = self.ahead, None
-            self.inflight_since = time.monotonic()
-            self.last_schedule_ms = self.ahead_schedule_ms
-            self.trace_since = msg.timings.get("sent")
-            self._plan_ahead()
+            self.loop.on_result(msg)  # ignored when from before a reset
+            return
+        received = time.monotonic()
+        since = self.loop.inflight_since if self.trace_since is None else self.trace_since
+        schedule_ms = self.loop.schedule_ms
+        plan = self.loop.on_result(msg)
+        if plan is None:
+            return
+        self._trace_step(plan, msg.timings, schedule_ms, since, received, self.loop.applied_at)
+        # A step planned ahead is in flight now: it started when rank 0 sent this result.
+        self.trace_since = msg.timings.get("sent") if self.inflight is not None else None
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
         if self.inflight is not None or self.workers_ready:

@@ -55,6 +55,44 @@ def test_steps_give_transformers_greedy_tokens_and_their_text(tiny_dir):
     assert core.scheduler.kv.stats().gpu_blocks_used == 0
 
 
+def run_greedy(core, prompts, max_tokens, abort_at=None):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        core.submit(messages.AddRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                        sampling=params, arrival_time=float(i)))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while core.has_unfinished():
+        out = core.step(float(steps))
+        if steps == abort_at:
+            out += core.abort("r0")
+        for msg in out:
+            for delta in msg.deltas:
+                tokens[delta.request_id] += delta.token_ids
+        steps += 1
+    return tokens
+
+
+@pytest.mark.parametrize("abort_at", [None, 12])
+def test_the_in_process_engine_plans_steps_ahead_as_the_process_group_does(tiny_dir, abort_at):
+    """The same StepLoop as the scheduler process: steady decodes are planned before the step
+    in flight is applied, the worker decodes them from its own samples, and the tokens are
+    those of the engine without overlap (an abort while a step ahead is in flight included)."""
+    prompts = [[7, 8, 9, 10, 11], [40, 41, 42]]
+    runs = {}
+    for overlap in (False, True):
+        core = EngineCore.build(EngineConfig.from_kwargs(
+            **engine_kwargs(tiny_dir, async_scheduling=overlap)))
+        runs[overlap] = run_greedy(core, prompts, 30, abort_at)
+        assert (core.scheduler.num_steps_ahead > 20) is overlap, core.scheduler.num_steps_ahead
+        assert core.scheduler.kv.stats().gpu_blocks_used == 0
+    assert runs[True] == runs[False]
+    if abort_at is None:
+        assert list(runs[True].values()) == hf_greedy(tiny_dir, prompts, 30)
+    else:
+        assert 0 < len(runs[True]["r0"]) < 30 and len(runs[True]["r1"]) == 30
+
+
 def test_a_request_that_can_never_run_is_rejected_by_the_scheduler(tiny_dir):
     core = EngineCore.build(EngineConfig.from_kwargs(**engine_kwargs(tiny_dir)))
     too_long = messages.AddRequest(request_id="x", prompt_token_ids=[1] * 10, arrival_time=0.0,

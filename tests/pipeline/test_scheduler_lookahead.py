@@ -1,6 +1,6 @@
 """Overlapped scheduling (pipeline/scheduler/lookahead.py): a step of steady decodes planned
 before the result of the one in flight is back, its tokens taken by the worker from its own
-samples. Driven like the scheduler process drives it, against the fake worker that checks
+samples. Driven through the scheduler process's own StepLoop, against the fake worker that checks
 every slot it reads: the same tokens and finish reasons as without it, whatever finishes,
 aborts or stops while two steps are in flight, and nothing ahead of a queued request."""
 from collections import deque
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
 from pagedserve.pipeline.scheduler import RequestRejected
 from pagedserve.pipeline.scheduler.sequence import Request
+from pagedserve.pipeline.scheduler.step_loop import StepLoop
 from sched_fakes import expected_tokens, make_scheduler
 from test_scheduler_property import BLOCK, EOS, VOCAB, _prompt, config_st, request_st
 
@@ -40,12 +41,32 @@ class AheadWorker:
         return result
 
 
+class Recorder:
+    """Stands in for SchedulerService: applies each result and keeps what each sample gained."""
+
+    def __init__(self, sched, clock):
+        self.scheduler, self.clock = sched, clock
+        self.tokens, self.reasons = {}, {}
+
+    def on_step_result(self, plan, result):
+        for out in self.scheduler.update(plan, result, self.clock()):
+            self.tokens.setdefault(out.request_id, {}).setdefault(out.index, []).extend(
+                out.new_token_ids)
+            if out.finish_reason is not None:
+                self.reasons.setdefault(out.request_id, {})[out.index] = out.finish_reason
+
+
 def drive_overlapped(sched, worker, arrivals, aborts=None, stops=None, overlap=True,
                      max_steps=3000):
-    """The scheduler process's loop: plan when nothing is in flight, plan ahead behind what
-    is, apply results in order. Aborts and stop strings land while steps are in flight."""
-    tokens, reasons, cut = {}, {}, set()  # cut: aborted or stopped by the driver
+    """The real StepLoop (pipeline/scheduler/step_loop.py) as the scheduler process runs it,
+    the plans it sends run in order by `worker`. Aborts and stop strings land while steps are
+    in flight."""
+    tick = 0
+    service = Recorder(sched, lambda: float(tick))
     sent = deque()
+    loop = StepLoop(service, lambda plan: sent.append(plan) or True, overlap=overlap,
+                    clock=lambda: float(tick))
+    reasons, cut = service.reasons, set()  # cut: aborted or stopped by the driver
     aborts, stops = dict(aborts or {}), dict(stops or {})
     for tick in range(max_steps):
         for req in arrivals.pop(tick, []):
@@ -53,13 +74,10 @@ def drive_overlapped(sched, worker, arrivals, aborts=None, stops=None, overlap=T
                 sched.add(req)
             except RequestRejected:
                 pass
-        if not sent:
-            if not sched.has_unfinished() and not arrivals:
-                return tokens, reasons, cut
-            sent.append(sched.schedule(float(tick)))
-        ahead = sched.schedule_ahead() if overlap else None
-        if ahead is not None:
-            sent.append(ahead)
+        if loop.ready():
+            loop.start(float(tick))
+        elif not sent and not arrivals and not sched.has_unfinished():
+            return service.tokens, reasons, cut
         for rid in aborts.pop(tick, []):
             cut.add(rid)
             for out in sched.abort(rid):
@@ -68,13 +86,8 @@ def drive_overlapped(sched, worker, arrivals, aborts=None, stops=None, overlap=T
             cut.add(min(sched.requests))
             for out in sched.stop(min(sched.requests), "stop", 0):
                 reasons.setdefault(out.request_id, {})[out.index] = out.finish_reason
-        plan = sent.popleft()
-        result = worker.execute(plan)
-        for out in sched.update(plan, result, float(tick)):
-            tokens.setdefault(out.request_id, {}).setdefault(out.index, []).extend(
-                out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons.setdefault(out.request_id, {})[out.index] = out.finish_reason
+        if sent:
+            assert loop.on_result(worker.execute(sent.popleft())) is not None
     raise AssertionError("not done")
 
 
