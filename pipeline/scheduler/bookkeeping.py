@@ -128,12 +128,12 @@ class RequestLifecycle:
         for seq in live:
             seq.workers_reset()
             if seq.seq_id in kv and seq.seq_id not in dropped:  # swapped out, host copy intact
-                seq.status = SWAPPED
+                seq.swapped_out()
                 self.num_swapped += 1
                 self.swapped.append((self.policy.key(seq), seq))
             else:
                 seq.drop_kv()
-                seq.status = WAITING
+                seq.queued()
                 self.num_waiting += 1
                 self.waiting.append((self.policy.key(seq), seq))
         heapq.heapify(self.waiting)
@@ -246,7 +246,7 @@ class RequestLifecycle:
         req = parent.request
         req.forked = True
         sync_kv(parent, self.kv)
-        parent.shared_tail = True
+        parent.share_tail()
         children = []
         for index in range(1, req.sampling.n):
             child = self._new_seq(req, index, parent.token_ids[:])
@@ -272,7 +272,7 @@ class RequestLifecycle:
         seq.preempted(b.step_id)
         if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
             b.swap_out.extend(kv.swap_out(seq.seq_id, seq.num_computed_tokens))
-            seq.status = SWAPPED
+            seq.swapped_out()
             self.num_swapped += 1
             heapq.heappush(self.swapped, (self.policy.key(seq), seq))
         else:
@@ -293,7 +293,7 @@ class RequestLifecycle:
         return self.num_running + self.num_unforked + num_seqs <= self.config.max_num_seqs
 
     def _add_running(self, seq: Sequence) -> None:
-        seq.status = RUNNING
+        seq.started()
         self.num_running += 1
         self.num_unforked += seq.request.num_seq_slots - 1
 
@@ -310,13 +310,12 @@ class RequestLifecycle:
         return seq
 
     def _push_waiting(self, seq: Sequence) -> None:
-        seq.status = WAITING
+        seq.queued()
         self.num_waiting += 1
         heapq.heappush(self.waiting, (self.policy.key(seq), seq))
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> bool:
         """Release a sequence; returns whether that finished its whole request."""
-        seq.lane_cap = -1
         inflight = self._inflight
         if inflight is not None and seq.last_step == inflight.step_id:
             inflight.num_finished += 1  # its row is no longer wanted: update goes one by one
@@ -328,7 +327,7 @@ class RequestLifecycle:
             self.kv.free(seq.seq_id)
         elif seq.status is WAITING:
             self.num_waiting -= 1
-        seq.status = status
+        seq.finished_as(status)
         del self.seqs[seq.seq_id]
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)

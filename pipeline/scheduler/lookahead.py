@@ -86,8 +86,8 @@ def _open_block(kv, seq) -> list[int]:
     blocks = kv.reserve_slots(seq.seq_id, n)
     if not blocks:  # counted free, not shared: the slot bookkeeping is wrong
         raise RuntimeError(f"seq {seq.seq_id}: no block for its token ahead ({blocks})")
-    seq.num_kv_tokens = seq.num_reserved_tokens = n
-    seq.num_blocks_sent += len(blocks)
+    seq.hold_slots(n, reported=True)
+    seq.sent_blocks_upto(seq.num_blocks_sent + len(blocks))
     return blocks
 
 
@@ -103,11 +103,9 @@ def promote(sched) -> None:
         if seq.status is not RUNNING:
             a.num_finished += 1  # finished on the token it sampled: its row is dropped
             continue
-        n = len(seq.token_ids)
-        seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
-        seq.last_step = step_id
+        n = seq.plan_lane(step_id)
         if index in opened:
-            seq.lane_cap = sched._lane_cap(seq)
+            seq.lanes_until(sched._lane_cap(seq))
         if caching and not n % block_size:
             a.lane_fills.append(seq)
     sched.iteration_tokens = len(a.lanes)

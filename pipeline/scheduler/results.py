@@ -76,7 +76,7 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
             new = seq.num_computed_tokens
             held = seq.num_kv_tokens  # beyond `new` when a step ahead opened its next block
             if held < new:
-                held = seq.num_kv_tokens = new
+                held = seq.reported_slots(new)
             fills.append((seq.seq_id, seq.token_ids, held, new))
     tokens = token_ids[:num_lanes]
     if stop_id_union.isdisjoint(tokens):
@@ -111,18 +111,17 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
             step, new = 1, seq.num_computed_tokens
         else:
             step = seq.step_tokens
-            new = seq.num_computed_tokens = seq.num_computed_tokens + step
+            new = seq.computed(step)
         tokens = seq.token_ids
-        drafts = seq.drafts
-        if drafts:  # the drafts rank 0 accepted were computed too (never a lane's)
-            seq.drafts = NO_DRAFTS
+        if seq.drafts:  # the drafts rank 0 accepted were computed too (never a lane's)
+            drafts = seq.take_drafts(NO_DRAFTS)
             if seq_ids[cursor] != seq.seq_id:
                 cursor = rows.find(seq.seq_id)
-            accepted = seq.spec_skip = _num_accepted(result, cursor, drafts)
+            accepted = _num_accepted(result, cursor, drafts)
+            new = seq.accepted_drafts(accepted)
             if accepted:
                 tokens += drafts[:accepted]
                 step += accepted
-                new = seq.num_computed_tokens = new + accepted
             verified.append((len(drafts), accepted))
             req = seq.request
             req.num_drafted += len(drafts)
@@ -130,7 +129,7 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
         if fills is not None and new % block_size < step:  # a block filled up: make it findable
             held = seq.num_kv_tokens
             if new > held:  # report the slots held lazily too
-                held = seq.num_kv_tokens = seq.num_reserved_tokens
+                held = seq.reported_slots(seq.num_reserved_tokens)
             fills.append((seq.seq_id, tokens, held, new))
         if new != len(tokens):
             continue  # mid-prefill or catching up after a recompute: nothing sampled

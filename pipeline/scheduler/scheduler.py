@@ -187,8 +187,7 @@ class Scheduler(RequestLifecycle):
                     continue
             add_lane(seq)
             add_lane_token(tokens[-1])
-            seq.num_reserved_tokens = seq.num_tokens_sent = seq.num_computed_tokens = n
-            seq.last_step = step_id
+            seq.plan_lane(step_id)
             if caching and not n % bs:
                 add_fill(seq)
             budget -= 1
@@ -220,23 +219,22 @@ class Scheduler(RequestLifecycle):
         bs = self.block_size
         if n <= seq.num_blocks_sent * bs and not seq.shared_tail:
             new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+            seq.hold_slots(n, reported=False)
         else:
             new_blocks = self.kv.reserve_slots(seq.seq_id, n)
             if new_blocks is None:  # its last block is shared, or the pool is short
                 self._schedule_general(seq, b, keep)
                 return False
-            seq.num_kv_tokens = n
-            seq.shared_tail = False
-            seq.num_blocks_sent += len(new_blocks)
-        seq.num_reserved_tokens = n
+            seq.hold_slots(n, reported=True)
+            seq.sent_blocks_upto(seq.num_blocks_sent + len(new_blocks))
         if not (new_blocks and seq.num_tokens_sent + 1 == n
                 and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
             self._plan_tokens(seq, 1, new_blocks, b)
             keep(seq)
             return False
-        seq.num_tokens_sent = n  # a lane that opens a new block: on with the lanes
+        seq.sent_tokens_upto(n)  # a lane that opens a new block: on with the lanes
         b.add_lane_blocks(new_blocks)
-        seq.lane_cap = self._lane_cap(seq)
+        seq.lanes_until(self._lane_cap(seq))
         return True
 
     def _schedule_drafts(self, seq: Sequence, b: PlanBuilder) -> bool:
@@ -258,7 +256,7 @@ class Scheduler(RequestLifecycle):
         drafts = self.proposer.propose(seq.seq_id, tokens, k)
         if not drafts or not grow(seq, 1 + len(drafts), self.kv, b.copy):
             return False
-        seq.drafts = drafts
+        seq.propose(drafts)
         self._emit(seq, 1, b, drafts)
         return True
 
@@ -309,7 +307,7 @@ class Scheduler(RequestLifecycle):
             b.swap_in.extend(kv.swap_in(seq.seq_id, seq.num_computed_tokens))
             self.num_swapped -= 1
             self._add_running(seq)
-            seq.needs_full_send = True  # its block ids changed
+            seq.table_changed()
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
             if chunk and grow(seq, chunk, self.kv, b.copy):
@@ -353,8 +351,7 @@ class Scheduler(RequestLifecycle):
         got = kv.allocate(seq.seq_id, tokens, chunk, req.cache_salt)
         if got is None:
             return None
-        seq.num_computed_tokens = got
-        seq.num_reserved_tokens = seq.num_kv_tokens = got + chunk
+        seq.admitted(got, chunk)
         chunk = min(chunk, total - got)
         self.num_waiting -= 1
         self._add_running(seq)
@@ -379,17 +376,14 @@ class Scheduler(RequestLifecycle):
                                    seq.request.sampling.for_sample(seq.index), block_ids,
                                    seq.num_computed_tokens, self.kv.row_of(sid)), num_tokens,
                        drafts)
-            seq.needs_full_send = False
-            seq.spec_skip = 0
-            seq.num_blocks_sent = len(block_ids)
-            seq.num_tokens_sent = len(tokens)
+            seq.sent_in_full(len(block_ids), len(tokens))
             self._planned(seq, num_tokens, b)
             return
         num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
         new_blocks = NO_BLOCKS
         if num_blocks > seq.num_blocks_sent:
             new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
-            seq.num_blocks_sent = num_blocks
+            seq.sent_blocks_upto(num_blocks)
         self._plan_tokens(seq, num_tokens, new_blocks, b, drafts)
 
     def _plan_tokens(self, seq: Sequence, num_tokens: int, new_blocks: list[int],
@@ -399,23 +393,20 @@ class Scheduler(RequestLifecycle):
         unsent = [tokens[sent]] if sent + 1 == len(tokens) else tokens[sent:]
         if drafts or seq.spec_skip:
             entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent, drafts,
-                                 seq.spec_skip)
-            seq.spec_skip = 0
+                                 seq.take_spec_skip())
         else:
             entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent)
         b.add_scheduled(seq, entry)
-        seq.num_tokens_sent = len(tokens)
+        seq.sent_tokens_upto(len(tokens))
         self._planned(seq, num_tokens, b)
 
     def _planned(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
-        seq.step_tokens = num_tokens
-        seq.last_step = b.step_id
-        if seq.num_computed_tokens + num_tokens < len(seq.token_ids):
-            seq.lane_cap = -1  # mid-prefill: it samples nothing this step
+        if not seq.planned(num_tokens, b.step_id):
+            seq.lanes_until(-1)  # mid-prefill: it samples nothing this step
             return
         if not seq.request.forked:
             self._fork_samples(seq, b)
-        seq.lane_cap = self._lane_cap(seq) if self.config.decode_lanes else -1
+        seq.lanes_until(self._lane_cap(seq) if self.config.decode_lanes else -1)
 
     def _lane_cap(self, seq: Sequence) -> int:
         """lane_cap, and under a sliding window no further than the step (at

@@ -137,8 +137,118 @@ class Sequence:
         # ScheduledSeq.num_skipped, so they count them as computed.
         self.spec_skip = 0
 
-    # State changes shared by several of the scheduler's paths. (The hot loops write the
-    # fields directly: a method call per sequence per step would show in the cycle time.)
+    # Every change of a sequence's fields is one of the transitions below: the scheduler's
+    # modules decide, the sequence records (tests/pipeline/test_sequence_owner.py checks that
+    # no other module assigns them). Tokens are appended to `token_ids` by `update` in place.
+
+    # -- its place in the scheduler's queues --------------------------------------------------
+    def started(self) -> None:
+        """Admitted, swapped in or forked into the running set."""
+        self.status = SequenceStatus.RUNNING
+
+    def queued(self) -> None:
+        """Back in the waiting queue: it recomputes what it lost."""
+        self.status = SequenceStatus.WAITING
+
+    def swapped_out(self) -> None:
+        """Its blocks are in the host pool."""
+        self.status = SequenceStatus.SWAPPED
+
+    def finished_as(self, status: SequenceStatus) -> None:
+        self.status = status
+        self.lane_cap = -1
+
+    # -- its KV slots (slots.py) --------------------------------------------------------------
+    def admitted(self, num_cached: int, chunk: int) -> None:
+        """Given blocks with `num_cached` tokens found in the prefix cache and slots for
+        `chunk` more, all reported to the manager."""
+        self.num_computed_tokens = num_cached
+        self.num_reserved_tokens = self.num_kv_tokens = num_cached + chunk
+
+    def hold_slots(self, needed: int, reported: bool) -> None:
+        """Holds KV slots up to `needed`. `reported`: the manager knows of them (and its last
+        block is its own now); else they lie in its own last block, reported later."""
+        self.num_reserved_tokens = needed
+        if reported:
+            self.num_kv_tokens = needed
+            self.shared_tail = False
+
+    def reported_slots(self, upto: int) -> int:
+        """The manager has been told of its slots up to `upto` (returned)."""
+        self.num_kv_tokens = upto
+        return upto
+
+    def share_tail(self) -> None:
+        """Its samples were forked from it: its last block is shared until copied on write."""
+        self.shared_tail = True
+
+    def table_changed(self) -> None:
+        """Its block ids changed (swapped in, a block copied on write): the next plan sends
+        its state in full."""
+        self.needs_full_send = True
+
+    # -- planning: what the next step computes, and what the workers hold ---------------------
+    def plan_lane(self, step_id: int) -> int:
+        """Planned as a lane (one token; plan.py): the token counts as computed at once, since
+        nothing reads the count before the result is back and a lost step recomputes all.
+        Returns its token count."""
+        n = len(self.token_ids)
+        self.num_reserved_tokens = self.num_tokens_sent = self.num_computed_tokens = n
+        self.last_step = step_id
+        return n
+
+    def planned(self, num_tokens: int, step_id: int) -> bool:
+        """Planned to compute `num_tokens` in step `step_id`; whether that reaches the end of
+        its tokens (it samples)."""
+        self.step_tokens = num_tokens
+        self.last_step = step_id
+        return self.num_computed_tokens + num_tokens >= len(self.token_ids)
+
+    def lanes_until(self, cap: int) -> None:
+        """Its next steps are lanes while it has at most `cap` tokens (-1: none)."""
+        self.lane_cap = cap
+
+    def sent_in_full(self, num_blocks: int, num_tokens: int) -> None:
+        """The plan carries its whole state (a NewSeq)."""
+        self.needs_full_send = False
+        self.spec_skip = 0
+        self.num_blocks_sent = num_blocks
+        self.num_tokens_sent = num_tokens
+
+    def sent_blocks_upto(self, num_blocks: int) -> None:
+        self.num_blocks_sent = num_blocks
+
+    def sent_tokens_upto(self, num_tokens: int) -> None:
+        self.num_tokens_sent = num_tokens
+
+    def take_spec_skip(self) -> int:
+        """The accepted drafts the next plan tells the workers of (then none)."""
+        skip, self.spec_skip = self.spec_skip, 0
+        return skip
+
+    def propose(self, drafts: list[int]) -> None:
+        """Drafts after its last token, verified in the step being planned."""
+        self.drafts = drafts
+
+    # -- results: what a step computed (results.py) -------------------------------------------
+    def computed(self, num_tokens: int) -> int:
+        """The step computed `num_tokens` more of its tokens; returns the count computed."""
+        self.num_computed_tokens += num_tokens
+        return self.num_computed_tokens
+
+    def take_drafts(self, none: list[int]) -> list[int]:
+        """Its drafts of the step just over (`none` left in their place)."""
+        drafts, self.drafts = self.drafts, none
+        return drafts
+
+    def accepted_drafts(self, accepted: int) -> int:
+        """The workers accepted its first `accepted` drafts (computed, and told of by the next
+        plan); returns the count computed."""
+        self.spec_skip = accepted
+        self.num_computed_tokens += accepted
+        return self.num_computed_tokens
+
+    # -- losing state -------------------------------------------------------------------------
     def drop_kv(self) -> None:
         """Its KV is gone (freed, or lost with the workers): it recomputes from the start."""
         self.num_computed_tokens = self.num_reserved_tokens = self.num_kv_tokens = 0

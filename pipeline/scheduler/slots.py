@@ -18,16 +18,15 @@ def grow(seq: Sequence, num_new: int, kv, copies: list[tuple[int, int]]) -> bool
         return True
     bs = kv.block_size
     if not seq.shared_tail and needed <= -(-seq.num_kv_tokens // bs) * bs:
-        seq.num_reserved_tokens = needed  # inside its own last block: reported lazily
+        seq.hold_slots(needed, reported=False)  # inside its own last block
         return True
     cow = kv.append_slots(seq.seq_id, needed - seq.num_kv_tokens)
     if cow is None:
         return False
-    seq.num_reserved_tokens = seq.num_kv_tokens = needed
-    seq.shared_tail = False
+    seq.hold_slots(needed, reported=True)
     if cow:
         copies.extend(cow)
-        seq.needs_full_send = True  # a block in its table was replaced
+        seq.table_changed()  # a block in its table was replaced
     return True
 
 
@@ -39,7 +38,7 @@ def sync_kv(seq: Sequence, kv) -> None:
         if cow is None or cow:
             raise RuntimeError(f"seq {seq.seq_id}: lazily held slots needed a block or a "
                                f"copy ({cow}); the slot bookkeeping is wrong")
-        seq.num_kv_tokens = seq.num_reserved_tokens
+        seq.reported_slots(seq.num_reserved_tokens)
 
 
 def can_swap_in(seq: Sequence, chunk: int, kv, num_watermark_blocks: int) -> bool:
