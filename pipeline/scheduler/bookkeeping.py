@@ -200,8 +200,11 @@ class RequestLifecycle:
             self.quarantine.end_trial(self._sampled_in(self.quarantine.on_trial, b))
         # Forked children decode from the next step on, after their parent.
         self.running.extend(c for c in b.fork_children if c.status is RUNNING)
-        if self._ahead is not None:
-            promote(self)
+        if self._ahead is not None:  # the step planned ahead is in flight from now on
+            self._inflight, self._ahead = self._ahead, None
+            self.iteration_tokens = promote(self._inflight, self._lane_cap,
+                                            block_size=self.block_size,
+                                            caching=self.config.enable_prefix_caching)
         return outputs
 
     def _finish_sampled(self, seq: Sequence, token: int, row: int, result: StepResult

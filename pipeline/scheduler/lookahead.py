@@ -25,63 +25,61 @@ Outputs are the same tokens as without overlap; what moves is when they are know
 """
 from __future__ import annotations
 
-from pagedserve.pipeline.messages import StepPlan
+from typing import Callable
+
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
-from pagedserve.pipeline.scheduler.sequence import SequenceStatus
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
 
 
-def plan_ahead(sched) -> StepPlan | None:
-    """The step after the one in flight, if it can only be the same lanes one token on; None
-    (nothing planned) otherwise, and the next step is planned from its result as usual."""
-    b = sched._inflight
-    if (b is None or sched._ahead is not None or not sched.config.decode_lanes or b.seqs
-            or b.fork_children or b.swap_out or b.swap_in or b.copy
-            or sched.num_waiting or sched.num_swapped
-            or (sched.grammar_book is not None and sched.grammar_book.grammars)):
+def lanes_ahead(inflight: PlanBuilder, running: list[Sequence], num_running: int, kv, *,
+                block_size: int, sliding_window: int, max_tokens: int
+                ) -> tuple[list[Sequence], list[int]] | None:
+    """The lanes of the step after `inflight`, and the indices of those whose token ahead
+    opens a block, when that step can only be the same lanes one token on; None otherwise.
+    (The scheduler checks first that nothing waits, is swapped out or has a grammar.)"""
+    b = inflight
+    if b.seqs or b.fork_children or b.swap_out or b.swap_in or b.copy:
         return None
-    lanes = [seq for seq in sched.running if seq.status is RUNNING]
-    if not lanes or len(lanes) != sched.num_running:
+    lanes = [seq for seq in running if seq.status is RUNNING]
+    if not lanes or len(lanes) != num_running:
         return None  # a live sequence outside the running list (prefilling): plan it
     step_id = b.step_id
-    opening = []  # the lanes whose token ahead opens a block, by index
+    opening = []
     for index, seq in enumerate(lanes):
         # in the step in flight as a lane, and a lane again with the token it is sampling
         if seq.last_step != step_id:
             return None
         if len(seq.token_ids) + 1 > seq.lane_cap:
-            if not _opens_a_block(sched, seq):
+            if sliding_window or not _opens_a_block(seq, block_size):
                 return None
             opening.append(index)
-    budget = sched.config.max_num_batched_tokens - len(lanes)
-    if budget < 0 or len(opening) > sched.kv.num_free_blocks:
+    if max_tokens < len(lanes) or len(opening) > kv.num_free_blocks:
         return None
-    a = PlanBuilder(sched._next_step_id, budget)
-    sched._next_step_id += 1
+    return lanes, opening
+
+
+def build_ahead(a: PlanBuilder, lanes: list[Sequence], opening: list[int], kv) -> None:
+    """Fill the step ahead `a`: the lanes in the decode columns, their tokens left to the
+    workers' own samples (-1), a fresh block for each lane in `opening`."""
     a.lanes = lanes
     for index in opening:
-        a.lane_blocks.extend((index, block) for block in _open_block(sched.kv, lanes[index]))
+        a.lane_blocks.extend((index, block) for block in _open_block(kv, lanes[index]))
     a.lane_ids = [seq.seq_id for seq in lanes]
-    a.lane_tokens = [-1] * len(lanes)  # the workers' own samples of the step before
-    finished, sched._finished_seq_ids = sched._finished_seq_ids, []
-    sched._ahead = a
-    sched.num_steps_ahead += 1
-    plan = a.build(finished, sched._shared_tables)
-    plan.ahead = True
-    return plan
+    a.lane_tokens = [-1] * len(lanes)
 
 
-def _opens_a_block(sched, seq) -> bool:
+def _opens_a_block(seq: Sequence, block_size: int) -> bool:
     """Past its lane_cap only because its token ahead is the first of a new block."""
     n = len(seq.token_ids) + 1
-    return (not sched.sliding_window and not seq.shared_tail and not seq.needs_full_send
-            and seq.lane_cap == seq.num_blocks_sent * sched.block_size == n - 1
+    return (not seq.shared_tail and not seq.needs_full_send
+            and seq.lane_cap == seq.num_blocks_sent * block_size == n - 1
             and seq.num_reserved_tokens == n - 1 == seq.num_tokens_sent
             and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2)
 
 
-def _open_block(kv, seq) -> list[int]:
+def _open_block(kv, seq: Sequence) -> list[int]:
     n = len(seq.token_ids) + 1
     blocks = kv.reserve_slots(seq.seq_id, n)
     if not blocks:  # counted free, not shared: the slot bookkeeping is wrong
@@ -91,13 +89,12 @@ def _open_block(kv, seq) -> list[int]:
     return blocks
 
 
-def promote(sched) -> None:
-    """The step in flight is over and applied: the step planned ahead is the one in flight
-    now, each lane still running counted as `_schedule_running` counts a lane it plans."""
-    a, sched._ahead = sched._ahead, None
-    sched._inflight = a
-    step_id, block_size = a.step_id, sched.block_size
-    caching = sched.config.enable_prefix_caching
+def promote(a: PlanBuilder, lane_cap: Callable[[Sequence], int], *, block_size: int,
+            caching: bool) -> int:
+    """The step in flight is over and applied: the step ahead `a` is the one in flight now,
+    each lane still running counted as `_schedule_running` counts a lane it plans (`lane_cap`
+    gives a lane that opened a block its new cap). Returns the step's token count."""
+    step_id = a.step_id
     opened = {index for index, _ in a.lane_blocks}
     for index, seq in enumerate(a.lanes):
         if seq.status is not RUNNING:
@@ -105,7 +102,7 @@ def promote(sched) -> None:
             continue
         n = seq.plan_lane(step_id)
         if index in opened:
-            seq.lanes_until(sched._lane_cap(seq))
+            seq.lanes_until(lane_cap(seq))
         if caching and not n % block_size:
             a.lane_fills.append(seq)
-    sched.iteration_tokens = len(a.lanes)
+    return len(a.lanes)

@@ -28,7 +28,7 @@ import heapq
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq, SharedTables, StepPlan
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.bookkeeping import Recovery, RequestLifecycle, SchedulerStats
-from pagedserve.pipeline.scheduler.lookahead import plan_ahead
+from pagedserve.pipeline.scheduler.lookahead import build_ahead, lanes_ahead
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.policy import make_policy
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, pick_victim
@@ -159,8 +159,28 @@ class Scheduler(RequestLifecycle):
 
     def schedule_ahead(self) -> StepPlan | None:
         """The next step planned before the result of the one in flight is back, when it can
-        only be the same decodes one token on (lookahead.py); None otherwise."""
-        return plan_ahead(self)
+        only be the same decodes one token on (lookahead.py); None otherwise. Nothing is
+        planned ahead of a queued, swapped out or constrained sequence."""
+        b = self._inflight
+        if (b is None or self._ahead is not None or not self.config.decode_lanes
+                or self.num_waiting or self.num_swapped
+                or (self.grammar_book is not None and self.grammar_book.grammars)):
+            return None
+        found = lanes_ahead(b, self.running, self.num_running, self.kv,
+                            block_size=self.block_size, sliding_window=self.sliding_window,
+                            max_tokens=self.config.max_num_batched_tokens)
+        if found is None:
+            return None
+        lanes, opening = found
+        a = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens - len(lanes))
+        self._next_step_id += 1
+        build_ahead(a, lanes, opening, self.kv)
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        self._ahead = a
+        self.num_steps_ahead += 1
+        plan = a.build(finished, self._shared_tables)
+        plan.ahead = True
+        return plan
 
     def _schedule_running(self, b: PlanBuilder, new_running: list[Sequence]) -> None:
         """One token for every decoding sequence, in running order; fills `new_running` (the
