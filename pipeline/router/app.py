@@ -139,8 +139,7 @@ def build_router_app(service: RouterService, api_keys: list[str],
             return _error(exc)
         created = int(time.time())
         return JSONResponse({"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "pagedserve",
-             "state": service.models.state(m).value} for m in service.models.slots.models]})
+            _model_card(service, m, created) for m in service.models.slots.models]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -156,6 +155,19 @@ def build_router_app(service: RouterService, api_keys: list[str],
         return Response(service.metrics.render(service.core), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _model_card(service: RouterService, model: str, created: int) -> dict[str, Any]:
+    """A served model as /v1/models lists it: its state, and what its replicas reported of
+    themselves once one was ready (capabilities, max_model_len; absent before)."""
+    card = {"id": model, "object": "model", "created": created, "owned_by": "pagedserve",
+            "state": service.models.state(model).value}
+    for replica in service.core.of_model(model, healthy_only=False):
+        if replica.capabilities:
+            card["capabilities"] = list(replica.capabilities)
+            card["max_model_len"] = replica.max_model_len
+            break
+    return card
 
 
 def _forwarder(service: RouterService, keys: ApiKeys, kind: str):

@@ -22,6 +22,7 @@ class Replica:
     outstanding_requests: int = 0
     max_model_len: int = 0       # from its /v1/models (0: not known yet)
     upstream_model: str = ""     # the model name the engine serves under
+    capabilities: tuple[str, ...] = ()  # from its /v1/models (chat, tools, insert, ...)
     # sent with every request: a local group's secret (LocalGroup.headers); none to remotes
     headers: dict[str, str] = field(default_factory=dict)
 

@@ -64,6 +64,7 @@ class ReplicaPool:
         replica.url, replica.headers = group.url, group.headers
         replica.max_model_len = int(info.get("max_model_len") or 0)
         replica.upstream_model = info.get("id", group.spec.model)
+        replica.capabilities = listed_capabilities(info)
         self._failures[group.name] = 0
         self.core.set_healthy(group.name, True)
         log.info("engine group %s ready at %s (%.1f s after its start)", group.name, group.url,
@@ -119,7 +120,7 @@ class ReplicaPool:
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             raise RuntimeError(f"engine {url} did not list its model at /v1/models: {exc}") from None
         replica = Replica(url, info["id"], url, max_model_len=int(info.get("max_model_len") or 0),
-                          upstream_model=info["id"])
+                          upstream_model=info["id"], capabilities=listed_capabilities(info))
         self.core.add(replica)
         await self._check(replica)
         return replica
@@ -170,3 +171,11 @@ class ReplicaPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(g.stop() for g in self.groups.values()), return_exceptions=True)
         self.groups.clear()
+
+
+def listed_capabilities(info: dict) -> tuple[str, ...]:
+    """An engine's /v1/models `capabilities` (names only; anything else listed is ignored)."""
+    found = info.get("capabilities")
+    if not isinstance(found, list):
+        return ()
+    return tuple(name for name in found if isinstance(name, str) and len(name) <= 64)

@@ -33,6 +33,7 @@ def test_keys_models_limits_and_a_stream_through_the_app():
             assert (await post("slow", chat)).status_code == 200
             limited = await post("slow", chat)
             assert limited.status_code == 429 and limited.headers["Retry-After"] == "1"
+            service.core.replicas["m/1"].capabilities = ("completion", "chat", "insert")
             models = (await client.get("/v1/models", headers={"Authorization": "Bearer fast"}))
             return streamed, models.json(), metrics
 
@@ -46,6 +47,8 @@ def test_keys_models_limits_and_a_stream_through_the_app():
                for e in events for c in e["choices"])
     assert streamed.text.endswith("data: [DONE]\n\n")
     assert [m["id"] for m in models["data"]] == ["m"]
+    (card,) = models["data"]
+    assert card["capabilities"] == ["completion", "chat", "insert"] and card["max_model_len"] == 100
     assert metrics.rejected.labels("unauthorized")._value.get() == 2
 
 

@@ -79,7 +79,8 @@ def test_a_remote_engine_joins_by_its_url():
     def handler(request):
         if request.url.path == "/v1/models":
             return httpx.Response(200, content=json.dumps(
-                {"data": [{"id": "remote-model", "max_model_len": 4096}]}))
+                {"data": [{"id": "remote-model", "max_model_len": 4096,
+                           "capabilities": ["completion", "chat", 7, "tools"]}]}))
         return httpx.Response(200)
 
     async def run():
@@ -91,6 +92,7 @@ def test_a_remote_engine_joins_by_its_url():
 
     core, replica = asyncio.run(run())
     assert (replica.model, replica.max_model_len, replica.healthy) == ("remote-model", 4096, True)
+    assert replica.capabilities == ("completion", "chat", "tools")  # names only
     assert core.pick("remote-model", b"k", 1).replica_id == "http://engine-a:8000"
 
 
