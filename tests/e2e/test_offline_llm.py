@@ -47,6 +47,21 @@ def test_tp2_greedy_equals_transformers_reference(model_dir, tokenizer):
         assert out.outputs[0].text == tokenizer.decode(exp, skip_special_tokens=True)
 
 
+def test_the_in_process_engine_overlaps_and_decodes_as_the_group(model_dir, tokenizer):
+    """EngineCore runs the scheduler process's StepLoop: with async scheduling (the default)
+    it plans steps ahead as the group does and gives the group's greedy tokens."""
+    ids = [tokenizer.encode(p) for p in PROMPTS[4:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    settings = dict(model=str(model_dir), dtype="float32", quantization="none",
+                    kv_cache_memory="128MiB", swap_space=0.0)
+    outputs = {}
+    for in_process in (True, False):
+        with LLM(in_process=in_process, **settings) as llm:
+            outputs[in_process] = [o.outputs[0].token_ids for o in llm.generate(ids, params)]
+            assert llm.stats()["steps_planned_ahead"] > 0, in_process
+    assert outputs[True] == outputs[False] == hf_greedy(model_dir, ids, max_new_tokens=16)
+
+
 def in_process_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int,
                       quantization: str) -> list[list[int]]:
     """Greedy decode in this process, batched as the scheduler batches these few short prompts:
