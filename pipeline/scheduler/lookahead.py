@@ -100,7 +100,8 @@ def promote(a: PlanBuilder, lane_cap: Callable[[Sequence], int], *, block_size: 
         if seq.status is not RUNNING:
             a.num_finished += 1  # finished on the token it sampled: its row is dropped
             continue
-        n = seq.plan_lane(step_id)
+        n = len(seq.token_ids)
+        seq.plan_lane(step_id, n)
         if index in opened:
             seq.lanes_until(lane_cap(seq))
         if caching and not n % block_size:

@@ -24,6 +24,7 @@ what it calls). The rest of the request lifecycle - `add`, `abort`, `stop`, `upd
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq, SharedTables, StepPlan
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
@@ -39,6 +40,7 @@ from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, Seque
 
 __all__ = ["Recovery", "Scheduler", "SchedulerStats"]
 
+SEQ_ID = attrgetter("seq_id")
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
@@ -184,8 +186,8 @@ class Scheduler(RequestLifecycle):
 
     def _schedule_running(self, b: PlanBuilder, new_running: list[Sequence]) -> None:
         """One token for every decoding sequence, in running order; fills `new_running` (the
-        running list from this step on). A sequence at or under its lane_cap is a lane: a few
-        attribute writes put it in the decode columns, its token counted as computed at once
+        running list from this step on). A sequence at or under its lane_cap is a lane: its
+        transition (`Sequence.plan_lane`) puts it in the decode columns, its token counted as computed at once
         (nothing reads the count before the result is back, and a lost step recomputes
         everything). Every other sequence is planned by `_schedule_off_lane` at the same point
         in the order, so plans are what the general path gives."""
@@ -207,13 +209,13 @@ class Scheduler(RequestLifecycle):
                     continue
             add_lane(seq)
             add_lane_token(tokens[-1])
-            seq.plan_lane(step_id)
+            seq.plan_lane(step_id, n)
             if caching and not n % bs:
                 add_fill(seq)
             budget -= 1
             keep(seq)
         b.budget = budget
-        b.lane_ids = [seq.seq_id for seq in lanes]
+        b.lane_ids = list(map(SEQ_ID, lanes))
 
     def _schedule_off_lane(self, seq: Sequence, b: PlanBuilder, keep) -> bool:
         """A running sequence past its lane_cap (or with no budget left): skipped if it finished

@@ -188,14 +188,12 @@ class Sequence:
         self.needs_full_send = True
 
     # -- planning: what the next step computes, and what the workers hold ---------------------
-    def plan_lane(self, step_id: int) -> int:
-        """Planned as a lane (one token; plan.py): the token counts as computed at once, since
-        nothing reads the count before the result is back and a lost step recomputes all.
-        Returns its token count."""
-        n = len(self.token_ids)
+    def plan_lane(self, step_id: int, n: int) -> None:
+        """Planned as a lane (one token; plan.py) at its `n` = len(token_ids) tokens: the token
+        counts as computed at once, since nothing reads the count before the result is back
+        and a lost step recomputes all."""
         self.num_reserved_tokens = self.num_tokens_sent = self.num_computed_tokens = n
         self.last_step = step_id
-        return n
 
     def planned(self, num_tokens: int, step_id: int) -> bool:
         """Planned to compute `num_tokens` in step `step_id`; whether that reaches the end of
