@@ -36,6 +36,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, as vLLM's: None for the first prompt token, then
+    # per token {token id: logprob} holding the top-N and the prompt's own token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,6 +46,8 @@ class RequestOutput:
 
     def apply(self, delta) -> None:
         """Fold one TextDelta into the accumulated output."""
+        if delta.prompt_logprobs is not None:
+            self._add_prompt_logprobs(delta.prompt_logprobs)
         out = self.outputs[delta.index]
         out.text += delta.text
         out.token_ids.extend(delta.token_ids)
@@ -54,3 +59,17 @@ class RequestOutput:
             out.finish_reason = delta.finish_reason
             out.stop_reason = delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+    def _add_prompt_logprobs(self, chunk) -> None:
+        """Append a chunk (messages.PromptLogprobs) that follows what is held; repeats of
+        positions already held are skipped."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        held = self.prompt_logprobs
+        for position, (logprob, top) in enumerate(zip(chunk.logprobs, chunk.top_logprobs),
+                                                  chunk.start):
+            if position != len(held):
+                continue
+            entry = dict(top)
+            entry.setdefault(self.prompt_token_ids[position], logprob)
+            held.append(entry)
