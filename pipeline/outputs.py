@@ -47,7 +47,7 @@ class RequestOutput:
     def apply(self, delta) -> None:
         """Fold one TextDelta into the accumulated output."""
         if delta.prompt_logprobs is not None:
-            self._add_prompt_logprobs(delta.prompt_logprobs)
+            self.add_prompt_logprobs(delta.prompt_logprobs)
         out = self.outputs[delta.index]
         out.text += delta.text
         out.token_ids.extend(delta.token_ids)
@@ -60,7 +60,7 @@ class RequestOutput:
             out.stop_reason = delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
-    def _add_prompt_logprobs(self, chunk) -> None:
+    def add_prompt_logprobs(self, chunk) -> None:
         """Append a chunk (messages.PromptLogprobs) that follows what is held; repeats of
         positions already held are skipped."""
         if self.prompt_logprobs is None:

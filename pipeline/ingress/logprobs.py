@@ -42,6 +42,51 @@ class CompletionLogprobs:
                 "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_part(token_text: TokenText, prompt_ids: list[int],
+                prompt_logprobs: list[dict[int, float] | None] | None, num_top: int
+                ) -> dict[str, Any]:
+    """The echoed prompt's part of completions' logprobs: every prompt token, the first with
+    null logprob and top_logprobs (nothing predicts it), `text_offset` from the choice's start.
+    `prompt_logprobs` as RequestOutput holds them (each entry the engine's top-N in order,
+    then the prompt's own token if it was not among them)."""
+    entries = prompt_logprobs or [None]
+    if len(entries) != len(prompt_ids):
+        raise RuntimeError(f"the engine sent the logprobs of {len(entries)} of the prompt's "
+                           f"{len(prompt_ids)} tokens")
+    tokens, offsets, chosen, tops, offset = [], [], [], [], 0
+    for tid, entry in zip(prompt_ids, entries):
+        text = token_text.text(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            chosen.append(None)
+            tops.append(None)
+            continue
+        top = {token_text.text(t): _lp(v) for t, v in list(entry.items())[:num_top]}
+        top.setdefault(text, _lp(entry[tid]))
+        chosen.append(_lp(entry[tid]))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two parts of completions' logprobs, one after the other."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(token_text: TokenText, prompt_ids: list[int],
+                         prompt_logprobs: list[dict[int, float] | None] | None
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: None for the first prompt token, then
+    {token id: {"logprob", "decoded_token"}} of the top-N and the prompt's own token."""
+    entries = prompt_logprobs or [None] * len(prompt_ids)
+    return [None if entry is None else
+            {str(t): {"logprob": _lp(v), "decoded_token": token_text.text(t)}
+             for t, v in entry.items()} for entry in entries]
+
+
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[float] | None,
                   top_logprobs: list[list[tuple[int, float]]] | None, num_top: int) -> dict[str, Any]:
     content = []
