@@ -129,3 +129,57 @@ def test_prompt_logprobs_beyond_the_limit_are_refused():
         SamplingParams(prompt_logprobs=21).validate()
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1).validate()
+
+
+def test_recomputed_prompts_pass_their_logprobs_on_once(tiny_dir, prompts, reference):
+    """A cache of 24 blocks for three 70-token prompts growing 40 tokens each: sequences are
+    preempted and recompute their prompts, whose logprobs the workers compute again; the
+    scheduler passes each position on once, and the numbers stay transformers'."""
+    llm = LLM(in_process=True, model=str(tiny_dir), dtype="float32", kv_cache_memory="96KiB",
+              block_size=8, max_num_seqs=4, max_num_batched_tokens=32, swap_space=0.0,
+              enable_prefix_caching=False)
+    try:
+        outs = llm.generate([prompts[3]] * 3, SamplingParams(
+            max_tokens=40, ignore_eos=True, temperature=0.0, prompt_logprobs=TOP))
+        assert llm.stats()["num_preemptions"] > 0
+        assert llm.stats()["kv_blocks_total"] == 24
+    finally:
+        llm.close()
+    for out in outs:
+        check_equal_to_transformers(out, prompts[3], reference[3])
+        assert len(out.outputs[0].token_ids) == 40
+
+
+def test_a_request_passes_each_prompt_position_on_once():
+    from pagedserve.pipeline.messages import PromptLogprobs
+    from pagedserve.pipeline.scheduler.sequence import RequestState
+    state = RequestState("r", SamplingParams(prompt_logprobs=0), 0.0, 0, None, 6, 4, frozenset())
+    assert state.wants_prompt_logprobs
+    first = PromptLogprobs(1, [-1.0, -2.0], [[], []])
+    assert state.take_prompt_logprobs(first) == first
+    assert state.take_prompt_logprobs(first) is None                        # a recompute
+    assert state.take_prompt_logprobs(PromptLogprobs(4, [-4.0], [[]])) is None  # a gap
+    again = state.take_prompt_logprobs(PromptLogprobs(1, [-1.0, -2.0, -3.0, -4.0, -5.0], [[]] * 5))
+    assert again == PromptLogprobs(3, [-3.0, -4.0, -5.0], [[]] * 3)
+    assert not state.wants_prompt_logprobs  # all 6 prompt tokens: the prefix cache is readable
+
+
+def test_the_client_drops_prompt_logprobs_it_already_has():
+    """A stream re-fed after a restart repeats prompt logprobs: the client keeps one copy."""
+    from pagedserve.pipeline.client import _Stream
+    from pagedserve.pipeline.messages import AddRequest, PromptLogprobs, TextDelta
+    from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+    stream = _Stream(AddRequest(request_id="r", prompt_token_ids=[5, 6, 7, 8],
+                                sampling=SamplingParams(prompt_logprobs=1), arrival_time=0.0))
+
+    def delta(start, values):
+        return TextDelta(request_id="r", index=0, text="", token_ids=[], prompt_logprobs=(
+            PromptLogprobs(start, values, [[(9, -0.5)]] * len(values))))
+    out = RequestOutput("r", None, [5, 6, 7, 8], [CompletionOutput(index=0)])
+    out.apply(stream.accept(delta(1, [-1.0, -2.0])))
+    assert stream.accept(delta(1, [-1.0, -2.0])) is None
+    tail = stream.accept(delta(1, [-1.0, -2.0, -3.0]))
+    assert tail.prompt_logprobs == PromptLogprobs(3, [-3.0], [[(9, -0.5)]])
+    out.apply(tail)
+    assert out.prompt_logprobs == [None, {9: -0.5, 6: -1.0}, {9: -0.5, 7: -2.0},
+                                   {9: -0.5, 8: -3.0}]
