@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from pagedserve import transport
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.outputs import RequestError, RequestOutput, CompletionOutput
+from pagedserve.pipeline.outputs import RequestError, RequestOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 _DONE = object()
@@ -312,10 +312,9 @@ class AsyncEngineClient:
                        **kwargs: Any) -> RequestOutput:
         """Run one request to the end and return its accumulated output."""
         params = params or SamplingParams()
-        out = RequestOutput(request_id=kwargs.get("request_id") or uuid.uuid4().hex,
-                            prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=self._prompt_ids(prompt),
-                            outputs=[CompletionOutput(index=i) for i in range(params.n)])
+        out = RequestOutput.start(kwargs.get("request_id") or uuid.uuid4().hex,
+                                  prompt if isinstance(prompt, str) else None,
+                                  self._prompt_ids(prompt), params)
         kwargs["request_id"] = out.request_id
         async for delta in self.generate(out.prompt_token_ids, params, **kwargs):
             out.apply(delta)

@@ -40,6 +40,15 @@ class RequestOutput:
     # per token {token id: logprob} holding the top-N and the prompt's own token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
+    @classmethod
+    def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+              sampling) -> "RequestOutput":
+        """Nothing received yet for a request with these SamplingParams: its n samples, and
+        with prompt_logprobs the first prompt token's None (a one-token prompt has no more)."""
+        return cls(request_id, prompt, prompt_token_ids,
+                   [CompletionOutput(index=i) for i in range(sampling.n)],
+                   prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
+
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)

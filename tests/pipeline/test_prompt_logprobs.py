@@ -99,6 +99,11 @@ def test_n_samples_carry_one_set_of_prompt_logprobs(tiny_dir, prompts, reference
     assert len(out.outputs) == 2
 
 
+def test_a_one_token_prompt_has_only_its_none(tiny_dir):
+    (out,) = run(tiny_dir, [[42]], batched_tokens=16, caching=True)
+    assert out.prompt_logprobs == [None] and len(out.outputs[0].token_ids) == 2
+
+
 def test_requests_without_prompt_logprobs_get_none(tiny_dir, prompts):
     llm = engine(tiny_dir, batched_tokens=32, caching=True)
     try:
