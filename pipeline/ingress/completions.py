@@ -21,7 +21,7 @@ from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
                                                     check_token_ids, parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 
 async def create_completion(ctx: IngressContext, request: Request) -> Response:
@@ -107,8 +107,7 @@ class _CompletionView:
                 "model": self.ctx.model_name, "choices": choices}
 
     async def collect(self, stream: AsyncIterator) -> list[RequestOutput]:
-        outputs = [RequestOutput(r.request_id, None, r.prompt_token_ids,
-                                 [CompletionOutput(index=i) for i in range(self.n)])
+        outputs = [RequestOutput.start(r.request_id, None, r.prompt_token_ids, r.params)
                    for r in self.engine_requests]
         async for pos, delta in stream:
             outputs[pos].apply(delta)
@@ -123,7 +122,7 @@ class _CompletionView:
                 num_generated += len(token_ids)
                 choice = {"index": pos * self.n + sample.index,
                           "text": self.echo_texts[pos] + text,
-                          "logprobs": self._logprobs(pos, out, CompletionLogprobs(
+                          "logprobs": self._logprobs(out, CompletionLogprobs(
                               self.ctx.token_text, len(self.echo_texts[pos])), token_ids, lps, tops),
                           "finish_reason": sample.finish_reason,
                           "stop_reason": sample.stop_reason}
@@ -141,8 +140,8 @@ class _CompletionView:
             return [], "", None, None
         return token_ids, text, logprobs, top_logprobs
 
-    def _logprobs(self, pos: int, out: RequestOutput, shaper: CompletionLogprobs | None,
-                  token_ids, logprobs, top_logprobs) -> dict[str, Any] | None:
+    def _logprobs(self, out: RequestOutput | None, shaper: CompletionLogprobs, token_ids,
+                  logprobs, top_logprobs) -> dict[str, Any] | None:
         """Completions' logprobs of these output tokens; with echo and `out` given (the
         choice's first chunk), the prompt's first."""
         if self.req.logprobs is None:
@@ -185,7 +184,7 @@ class _CompletionView:
                 text = self.echo_texts[pos] + text
             out = prompts[pos] if first_chunk else None
             choice = {"index": index, "text": text,
-                      "logprobs": self._logprobs(pos, out, shapers[index], token_ids, lps, tops),
+                      "logprobs": self._logprobs(out, shapers[index], token_ids, lps, tops),
                       "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             if first_chunk:
                 self._first_chunk_extras(choice, out)
