@@ -188,3 +188,14 @@ def test_the_client_drops_prompt_logprobs_it_already_has():
     out.apply(tail)
     assert out.prompt_logprobs == [None, {9: -0.5, 6: -1.0}, {9: -0.5, 7: -2.0},
                                    {9: -0.5, 8: -3.0}]
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_transformers_numbers(tiny_dir, prompts, reference):
+    """Rank 0 computes them (the LM head is whole on every rank), in chunks of 16, through the
+    multi-process group and its client."""
+    with LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=2, block_size=8,
+             kv_cache_memory="8MiB", max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, sampling())
+    for out, prompt, want in zip(outs, prompts, reference):
+        check_equal_to_transformers(out, prompt, want)
