@@ -78,6 +78,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
+    drop_prompt_logprobs: bool = False  # send only the first chunk of prompt logprobs
 
     @property
     def eos_token_id(self) -> int:
@@ -100,7 +101,8 @@ class FakeEngine:
         open_samples = set(range(params.n))
         texts = [""] * params.n
         try:
-            for chunk in fake_prompt_logprobs(list(prompt), params.prompt_logprobs):
+            chunks = fake_prompt_logprobs(list(prompt), params.prompt_logprobs)
+            for chunk in chunks[:1] if self.drop_prompt_logprobs else chunks:
                 yield TextDelta(request_id=request_id, index=0, text="", token_ids=[],
                                 prompt_logprobs=chunk, num_prompt_tokens=len(prompt))
             step = 0

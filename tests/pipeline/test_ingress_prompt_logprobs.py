@@ -106,3 +106,15 @@ def test_vllm_prompt_logprobs_field(stream):
         assert plp[2] == {"200": {"logprob": pytest.approx(-0.05), "decoded_token": text_of(200)},
                           str(ord("l")): {"logprob": pytest.approx(-0.2), "decoded_token": "l"}}
     run_with_client(t)
+
+
+def test_prompt_logprobs_lost_on_the_way_are_a_503():
+    """A detokenizer restart re-feeds tokens but no prompt logprobs: the answer says so."""
+    async def t(client, ctx, engine):
+        engine.drop_prompt_logprobs = True
+        for asked in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}):
+            r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1,
+                                                           **asked})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "prompt_logprobs_lost"
+    run_with_client(t)
