@@ -56,4 +56,8 @@ def test_local_completions_matches_the_harness_on_transformers(tmp_path):
     assert len(served["loglikelihoods"]) == 8
     for got, want in zip(served["loglikelihoods"], reference["loglikelihoods"]):
         assert got == pytest.approx(want, abs=1e-3)
+    worst = max(abs(g - w) for gs, ws in zip(served["loglikelihoods"], reference["loglikelihoods"])
+                for g, w in zip(gs, ws))
+    print(f"acc {served['acc']}, acc_norm {served['acc_norm']}, largest loglikelihood "
+          f"difference {worst:.2e}")
     assert stats["prefix_cache_queries"] > 0  # the cache was on; requests read none of it
