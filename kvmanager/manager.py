@@ -146,10 +146,11 @@ class KVCacheManager:
         return self.gpu_pool.num_free_blocks - needed >= self.watermark_blocks
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int,
-                 cache_salt: str | None = None) -> int | None:
+                 cache_salt: str | None = None, *, read_cache: bool = True) -> int | None:
         """New sequence takes its cached prefix plus fresh blocks for ``num_new_tokens`` more.
         Under a sliding window, cached blocks already out of the window of its first step are
-        not taken: their entries are placeholders from the start.
+        not taken: their entries are placeholders from the start. ``read_cache=False``: no
+        cached prefix (every token is computed; its full blocks are still cached after).
 
         Returns the number of cached tokens, or None with nothing changed if blocks are short.
         """
@@ -157,7 +158,8 @@ class KVCacheManager:
             raise ValueError(f"seq {seq_id} is already allocated")
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hashes, cached = prefix_cache.cached_prefix(self, token_ids, cache_salt)
+        hashes, cached = (prefix_cache.cached_prefix(self, token_ids, cache_salt) if read_cache
+                          else ([], []))
         num_cached_tokens = len(cached) * self.block_size
         num_fresh = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
         num_released = num_out_of_window(num_cached_tokens, self.sliding_window, self.block_size)

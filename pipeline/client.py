@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from pagedserve import transport
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.outputs import RequestError, RequestOutput, CompletionOutput
+from pagedserve.pipeline.outputs import RequestError, RequestOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 _DONE = object()
@@ -41,12 +41,13 @@ class _Sample:
 class _Stream:
     """A request in flight: enough to resubmit it, and what each sample has received."""
 
-    __slots__ = ("add", "queue", "samples")
+    __slots__ = ("add", "queue", "samples", "num_prompt_logprobs")
 
     def __init__(self, add: messages.AddRequest) -> None:
         self.add = add
         self.queue: asyncio.Queue = asyncio.Queue()
         self.samples = [_Sample() for _ in range(add.sampling.n)]
+        self.num_prompt_logprobs = 1  # prompt tokens whose logprobs arrived (the first has none)
 
     def accept(self, d: messages.TextDelta) -> messages.TextDelta | None:
         """Drop what was already received (a re-fed stream after a restart)."""
@@ -55,6 +56,8 @@ class _Stream:
         sample = self.samples[d.index]
         if sample.finished:
             return None
+        if d.prompt_logprobs is not None:
+            return self._accept_prompt_logprobs(d)
         skip_t = max(0, len(sample.token_ids) - d.token_offset)
         skip_c = max(0, sample.chars - d.text_offset)
         if skip_t or skip_c:
@@ -69,6 +72,14 @@ class _Stream:
         sample.chars += len(d.text)
         sample.finished = d.finish_reason is not None
         return d
+
+    def _accept_prompt_logprobs(self, d: messages.TextDelta) -> messages.TextDelta | None:
+        """A delta of prompt logprobs (no tokens): the part not received yet, if it follows."""
+        chunk = d.prompt_logprobs.after(self.num_prompt_logprobs)
+        if chunk is None or chunk.start != self.num_prompt_logprobs:
+            return None
+        self.num_prompt_logprobs = chunk.start + len(chunk.logprobs)
+        return msgspec.structs.replace(d, prompt_logprobs=chunk)
 
     def resubmission(self) -> messages.AddRequest | None:
         """The AddRequest that continues this stream on a restarted scheduler, if possible."""
@@ -301,10 +312,9 @@ class AsyncEngineClient:
                        **kwargs: Any) -> RequestOutput:
         """Run one request to the end and return its accumulated output."""
         params = params or SamplingParams()
-        out = RequestOutput(request_id=kwargs.get("request_id") or uuid.uuid4().hex,
-                            prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=self._prompt_ids(prompt),
-                            outputs=[CompletionOutput(index=i) for i in range(params.n)])
+        out = RequestOutput.start(kwargs.get("request_id") or uuid.uuid4().hex,
+                                  prompt if isinstance(prompt, str) else None,
+                                  self._prompt_ids(prompt), params)
         kwargs["request_id"] = out.request_id
         async for delta in self.generate(out.prompt_token_ids, params, **kwargs):
             out.apply(delta)

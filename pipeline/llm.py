@@ -16,7 +16,7 @@ from pagedserve.pipeline.client import AsyncEngineClient, EngineClient
 from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.engine_group import EngineGroup
 from pagedserve.pipeline.messages import AddRequest, DeltaBatch, RequestFailed, RequestRejected
-from pagedserve.pipeline.outputs import CompletionOutput, RequestError, RequestOutput
+from pagedserve.pipeline.outputs import RequestError, RequestOutput
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 class LLM:
@@ -105,8 +105,8 @@ class _InProcessEngine:
                 ids = (list(self.tokenizer.encode(prompt)) if isinstance(prompt, str)
                        else [int(t) for t in prompt])
                 rid = uuid.uuid4().hex
-                outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                             [CompletionOutput(index=i) for i in range(params.n)])
+                outputs[rid] = RequestOutput.start(rid, prompt if isinstance(prompt, str) else None,
+                                                   ids, params)
                 self._receive(self.core.submit(AddRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=params,
                     arrival_time=time.time())), outputs)
@@ -160,10 +160,8 @@ class AsyncLLM:
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         ids = self._client._prompt_ids(prompt)
-        out = RequestOutput(request_id=kwargs.pop("request_id", None) or uuid.uuid4().hex,
-                            prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=ids,
-                            outputs=[CompletionOutput(index=i) for i in range(params.n)])
+        out = RequestOutput.start(kwargs.pop("request_id", None) or uuid.uuid4().hex,
+                                  prompt if isinstance(prompt, str) else None, ids, params)
         async for delta in self._client.generate(ids, params, request_id=out.request_id, **kwargs):
             out.apply(delta)
             yield out

@@ -11,7 +11,7 @@ import msgspec
 
 from pagedserve.pipeline.sampling_params import SamplingParams
 
-__all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "StepPlan", "StepResult", "AddRequest",
+__all__ = ["PromptLogprobs", "NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "StepPlan", "StepResult", "AddRequest",
            "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
@@ -26,6 +26,25 @@ __all__ = ["NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "St
 # finished_seq_ids (drop state), new_seqs (create or replace state), swap_out, swap_in, copy,
 # then compute the decode columns and `scheduled` (in that order), then forks.
 # ---------------------------------------------------------------------------------------------
+
+class PromptLogprobs(msgspec.Struct, gc=False):
+    """Logprobs of prompt tokens start, start + 1, ... (start >= 1: the first prompt token has
+    none), each from the model's raw logits at the position before it: the token's own and
+    the top-N of that position (SamplingParams.prompt_logprobs; [] each when N is 0)."""
+
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+    def after(self, num_known: int) -> "PromptLogprobs | None":
+        """The part past the first `num_known` prompt tokens (None: nothing new)."""
+        skip = max(0, num_known - self.start)
+        if skip >= len(self.logprobs):
+            return None
+        if not skip:
+            return self
+        return PromptLogprobs(self.start + skip, self.logprobs[skip:], self.top_logprobs[skip:])
+
 
 class NewSeq(msgspec.Struct, gc=False):
     """A sequence's full state, sent when it is first scheduled or when the workers' copy of it
@@ -138,6 +157,9 @@ class StepResult(msgspec.Struct, gc=False, omit_defaults=True):
     # Per row, the drafts accepted before its token (the sample's new tokens are those drafts
     # and the token); empty when no row had drafts.
     num_accepted: list[int] = []
+    # Prompt logprobs computed this step, (seq_id, chunk) for each sequence whose prefill
+    # chunk covered prompt positions and asked for them (whether or not it sampled).
+    prompt_logprobs: list[tuple[int, PromptLogprobs]] = []
     # PAGEDSERVE_STEP_TRACE only: rank 0's clock readings (time.monotonic(): "received" the
     # plan, "sent" the result) and milliseconds (forward, sample, matmul, attention).
     timings: dict[str, float] = {}
@@ -220,6 +242,8 @@ class TokenBatch(msgspec.Struct):
     indices: list[int] = []
     token_ids: list[int] = []
     offsets: list[int] = []
+    # (request id, chunk): prompt logprobs computed this step; sample 0 passes them on.
+    prompt_logprobs: list[tuple[str, PromptLogprobs]] = []
     sent: float = 0.0  # PAGEDSERVE_STEP_TRACE only: the scheduler's time.monotonic() at send
 
     def all_samples(self) -> list[SampleTokens]:
@@ -240,6 +264,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     text_offset: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # sample 0 only; its own offset (start)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0

@@ -36,6 +36,18 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, as vLLM's: None for the first prompt token, then
+    # per token {token id: logprob} holding the top-N and the prompt's own token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @classmethod
+    def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+              sampling) -> "RequestOutput":
+        """Nothing received yet for a request with these SamplingParams: its n samples, and
+        with prompt_logprobs the first prompt token's None (a one-token prompt has no more)."""
+        return cls(request_id, prompt, prompt_token_ids,
+                   [CompletionOutput(index=i) for i in range(sampling.n)],
+                   prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
 
     @property
     def finished(self) -> bool:
@@ -43,6 +55,8 @@ class RequestOutput:
 
     def apply(self, delta) -> None:
         """Fold one TextDelta into the accumulated output."""
+        if delta.prompt_logprobs is not None:
+            self.add_prompt_logprobs(delta.prompt_logprobs)
         out = self.outputs[delta.index]
         out.text += delta.text
         out.token_ids.extend(delta.token_ids)
@@ -54,3 +68,17 @@ class RequestOutput:
             out.finish_reason = delta.finish_reason
             out.stop_reason = delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+    def add_prompt_logprobs(self, chunk) -> None:
+        """Append a chunk (messages.PromptLogprobs) that follows what is held; repeats of
+        positions already held are skipped."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        held = self.prompt_logprobs
+        for position, (logprob, top) in enumerate(zip(chunk.logprobs, chunk.top_logprobs),
+                                                  chunk.start):
+            if position != len(held):
+                continue
+            entry = dict(top)
+            entry.setdefault(self.prompt_token_ids[position], logprob)
+            held.append(entry)

@@ -52,6 +52,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs besides the chosen token's
+    # vLLM's prompt_logprobs: per prompt token after the first, its logprob and the top-N
+    # (computed in the prefill; such a request reads no blocks from the prefix cache)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (pipeline/structured/).
@@ -145,6 +148,9 @@ def _check_numbers(p: SamplingParams, max_n: int) -> None:
                          f"({p.max_tokens})")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got "
+                         f"{p.prompt_logprobs}")
 
 
 def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:

@@ -40,5 +40,21 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
     echo "$want" > "$STAMP"
 fi
+# PAGEDSERVE_EVAL=1 (scripts/test.sh sets it): also .venv-eval, lm-evaluation-harness in a
+# venv of its own (pyproject.toml's eval extra says why), for tests/e2e/test_lm_eval.py.
+if [ "${PAGEDSERVE_EVAL:-0}" = "1" ]; then
+    EVAL_VENV="$ROOT/.venv-eval"
+    EVAL_LOCK="$ROOT/scripts/lock/eval-linux-$(uname -m).txt"
+    eval_want="$(sha256sum < "$EVAL_LOCK" | cut -d' ' -f1)"
+    if [ ! -f "$EVAL_VENV/.installed" ] || [ "$(cat "$EVAL_VENV/.installed")" != "$eval_want" ]; then
+        echo "[setup] installing $(basename "$EVAL_LOCK") into $EVAL_VENV" >&2
+        [ -x "$EVAL_VENV/bin/python" ] || "$PY" -m venv "$EVAL_VENV"
+        # pip 23's hash-checking mode refuses a dependency asked for with an extra
+        # (dataproperty's typepy[datetime]) although the lock pins it; newer pips take it
+        "$EVAL_VENV/bin/python" -m pip install -q "pip==26.3"
+        "$EVAL_VENV/bin/python" -m pip install -q --require-hashes -r "$EVAL_LOCK"
+        echo "$eval_want" > "$EVAL_VENV/.installed"
+    fi
+fi
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"

@@ -3,6 +3,8 @@
 # Quick subset: scripts/test.sh -m "not slow"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The suite includes lm-evaluation-harness's run against the server: the eval extra's lock.
+export PAGEDSERVE_EVAL="${PAGEDSERVE_EVAL:-1}"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 # setup.sh exported PYTHONSAFEPATH=1: `python -m pytest` does not put the repository root on the

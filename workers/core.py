@@ -14,7 +14,8 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.shm_tables import SharedBlockTables
-from pagedserve.pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
+from pagedserve.pipeline.messages import (NewSeq, PromptLogprobs, SharedTables, StepPlan,
+                                          StepResult)
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.kv_cache import allocate_swap_pool
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
@@ -95,7 +96,7 @@ class WorkerCore:
 
         items, sampled_ids = self._collect(plan)
         started = time.perf_counter()
-        logits = self.runner.execute(items)
+        logits, prompt_rows = self.runner.execute_step(items)
         forward_done = time.perf_counter()
         seqs = self.seqs
         for seq_id in plan.decode_seq_ids:
@@ -122,6 +123,8 @@ class WorkerCore:
             result = self._verify(plan, logits, row_ids, rows, drafts)
         else:
             result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
+        if prompt_rows:
+            result.prompt_logprobs = _prompt_chunks(plan, items, prompt_rows)
         self._last_result = result
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
@@ -183,7 +186,14 @@ class WorkerCore:
                                  f"reach the end of its tokens")
             row = state.table_row if shared else -1
             computed = state.token_ids[start:end] + drafts if drafts else state.token_ids[start:end]
-            items.append(SeqStep(computed, start, state.block_ids, sample, row, len(drafts)))
+            item = SeqStep(computed, start, state.block_ids, sample, row, len(drafts))
+            if self.sampler is not None and state.sampling.prompt_logprobs is not None \
+                    and start < state.num_prompt_tokens - 1:
+                # rows start .. predict prompt tokens start + 1 .., up to the last one
+                item.prompt_targets = state.token_ids[
+                    start + 1:min(end, state.num_prompt_tokens - 1) + 1]
+                item.prompt_top = state.sampling.prompt_logprobs
+            items.append(item)
             if sample:
                 sampled_ids.append(scheduled.seq_id)
         return items, sampled_ids
@@ -261,6 +271,19 @@ class WorkerCore:
         except KeyError:
             raise ValueError(f"{what} sequence {seq_id} is unknown to this worker "
                              "(never sent as NewSeq, or already finished)") from None
+
+
+def _prompt_chunks(plan: StepPlan, items: list[SeqStep], prompt_rows: dict
+                   ) -> list[tuple[int, PromptLogprobs]]:
+    """(seq_id, chunk) per scheduled sequence whose rows gave prompt logprobs; the items
+    are the decode columns, then plan.scheduled in order."""
+    first = len(plan.decode_seq_ids)
+    chunks = []
+    for index, (logprobs, tops) in sorted(prompt_rows.items()):
+        scheduled = plan.scheduled[index - first]
+        chunks.append((scheduled.seq_id,
+                       PromptLogprobs(items[index].start_pos + 1, logprobs, tops)))
+    return chunks
 
 
 def _first_rows(sampled_ids: list[int], drafts: dict[int, list[int]]) -> dict[int, int]:

@@ -22,6 +22,7 @@ from pagedserve.workers.kv_cache import allocate_kv_cache
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
+from pagedserve.workers.prompt_logprobs import RowLogprobs, prompt_logprobs
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
 
@@ -38,6 +39,10 @@ class SeqStep:
     sample: bool               # whether its last row's logits are wanted
     table_row: int = -1        # >= 0: take the block table from this row of shared_tables
     num_drafts: int = 0        # the last tokens are drafts: their rows' logits are wanted too
+    # Prompt logprobs: the prompt tokens the first rows predict (row j: prompt_targets[j]),
+    # and how many top logprobs each of those rows wants (workers/prompt_logprobs.py).
+    prompt_targets: list[int] | None = None
+    prompt_top: int = 0
 
 
 @dataclass(slots=True)
@@ -60,6 +65,7 @@ class _StepArrays:
     num_decode: int           # sequences (= rows) computing exactly one token
     sample_rows: np.ndarray   # rows whose logits are returned, in item order
     seq_of_row: np.ndarray    # [T] int64: the reordered sequence of each row
+    first_rows: np.ndarray    # [n] int64: each item's first row, in item order
 
 
 class ModelRunner:
@@ -133,35 +139,55 @@ class ModelRunner:
                  block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    @torch.inference_mode()
     def execute(self, items: list[SeqStep]) -> torch.Tensor:
         """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
+        return self.execute_step(items)[0]
+
+    @torch.inference_mode()
+    def execute_step(self, items: list[SeqStep]) -> tuple[torch.Tensor, dict[int, RowLogprobs]]:
+        """`execute`, and the prompt logprobs of the items with prompt_targets, by item index
+        (computed from the hidden rows before the sampling rows' logits: compute_logits
+        reuses its buffer)."""
+        prompt: dict[int, RowLogprobs] = {}
         if not items:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
+            return torch.empty(0, self.config.vocab_size, device=self.device), prompt
         arrays = self._flatten(items)
+        wanted = [i for i, it in enumerate(items) if it.prompt_targets]
         graphs = self.decode_graphs
-        if graphs is not None and arrays.num_decode == len(items) \
+        if graphs is not None and not wanted and arrays.num_decode == len(items) \
                 and graphs.fits(len(items), arrays.tables.shape[1]):
             logits = graphs.run(arrays.tokens, arrays.positions, arrays.slots, arrays.tables,
                                 arrays.context_lens)
             if len(arrays.sample_rows) == len(items):
-                return logits
-            return logits[self._to_device(arrays.sample_rows)]
+                return logits, prompt
+            return logits[self._to_device(arrays.sample_rows)], prompt
+        hidden, sample_rows = self._hidden(items, arrays)
+        if wanted:
+            prompt.update(zip(wanted, prompt_logprobs(
+                self.model.compute_logits, hidden,
+                [(int(arrays.first_rows[i]), items[i].prompt_targets, items[i].prompt_top)
+                 for i in wanted])))
+        if len(arrays.sample_rows) == 0:
+            return torch.empty(0, self.config.vocab_size, device=self.device), prompt
+        if sample_rows is not None:
+            hidden = hidden[sample_rows]
+        return self.model.compute_logits(hidden), prompt
+
+    def _hidden(self, items: list[SeqStep], arrays: _StepArrays
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward: the hidden states of every row, and the rows that sample
+        (None: all of them, in item order)."""
         replay = self.cpu_replay
         if replay is not None and replay.fits(len(arrays.tokens), arrays.tables.shape[1]):
             tables = arrays.tables if arrays.num_decode == len(items) \
                 else arrays.tables[arrays.seq_of_row]            # each row's sequence's table
             hidden = replay.run(arrays.tokens, arrays.positions, arrays.slots, tables)
-            if len(arrays.sample_rows) == 0:
-                return torch.empty(0, self.config.vocab_size, device=self.device)
             if arrays.num_decode < len(items) or len(arrays.sample_rows) < len(items):
-                hidden = hidden[torch.from_numpy(arrays.sample_rows)]   # item order, drafts
-            return self.model.compute_logits(hidden)
+                return hidden, torch.from_numpy(arrays.sample_rows)  # item order, drafts
+            return hidden, None
         step = self._tensors(arrays)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
-        if step.sample_rows.numel() == 0:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[step.sample_rows])
+        return hidden, step.sample_rows
 
     def prepare(self, items: list[SeqStep]) -> StepTensors:
         """Flatten the items, single-token sequences first, into the step's tensors."""
@@ -206,7 +232,7 @@ class ModelRunner:
             counts = np.fromiter((it.num_drafts + 1 for it in items), np.int64, n)[sample_mask]
             sample_rows = np.repeat(sample_rows - counts + 1, counts) + _ramps(counts)
         return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
-                           sample_rows, seq_of_row)
+                           sample_rows, seq_of_row, cu[inverse])
 
     def _tensors(self, a: _StepArrays) -> StepTensors:
         to, d = self._to_device, a.num_decode

@@ -139,3 +139,14 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
                 input_ids = torch.tensor([[token]], dtype=torch.long)
             outputs.append(generated)
     return outputs
+
+
+def hf_prompt_logprobs(model_dir: str | Path, prompt: list[int]):
+    """transformers' log_softmax over the vocabulary at every position of `prompt` but the
+    last, in fp32: row p is the distribution of prompt token p + 1 ([len - 1, vocab])."""
+    import torch
+
+    model = hf_model(model_dir)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt], dtype=torch.long)).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)

@@ -104,6 +104,14 @@ class DetokenizerService:
 
     def on_tokens(self, batch: messages.TokenBatch) -> None:
         per_client: dict[bytes, list[messages.TextDelta]] = defaultdict(list)
+        for request_id, chunk in batch.prompt_logprobs:  # before the tokens that follow them
+            owner = self.owners.get(request_id)
+            if owner is not None and owner.samples[0].open:
+                sample = owner.samples[0]
+                per_client[owner.client_id].append(messages.TextDelta(
+                    request_id=request_id, index=0, text="", token_ids=[],
+                    token_offset=sample.tokens, text_offset=sample.chars, prompt_logprobs=chunk,
+                    num_prompt_tokens=owner.num_prompt_tokens, num_output_tokens=sample.tokens))
         with self.breadcrumb.mark(""):
             for s in batch.all_samples():
                 owner = self.owners.get(s.request_id)

@@ -13,14 +13,15 @@ from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.errors import invalid
 from pagedserve.pipeline.ingress.fim import fim_prompt, require_fim
 from pagedserve.pipeline.ingress.generation import EngineRequest, new_request_id, prepend, respond, usage
-from pagedserve.pipeline.ingress.logprobs import CompletionLogprobs
+from pagedserve.pipeline.ingress.logprobs import (CompletionLogprobs, joined, prompt_part,
+                                                  vllm_prompt_logprobs)
 from pagedserve.pipeline.ingress.protocol import CompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
 from pagedserve.pipeline.ingress.json_body import decode_json_object
 from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
                                                     check_token_ids, parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
-from pagedserve.pipeline.outputs import CompletionOutput, RequestOutput
+from pagedserve.pipeline.outputs import RequestOutput
 
 
 async def create_completion(ctx: IngressContext, request: Request) -> Response:
@@ -46,10 +47,14 @@ def _prepare(ctx: IngressContext, body: bytes):
     if len(prompts) > most:
         raise invalid(f"prompt is a batch of {len(prompts)} prompts, but the engine queues at most "
                       f"{most} requests (--max-queued-requests)", "prompt")
-    requested = req.max_tokens
+    # max_tokens 0 (with echo): the prompt alone, as lm-evaluation-harness's loglikelihood asks;
+    # the engine generates one token, which is dropped
+    requested = 1 if req.max_tokens == 0 else req.max_tokens
     params = validated_params(
-        lambda: req.sampling_params(max_tokens=requested if requested is not None
-                                    else DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs),
+        lambda: msgspec.structs.replace(
+            req.sampling_params(max_tokens=requested if requested is not None
+                                else DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs),
+            prompt_logprobs=req.num_prompt_logprobs),
         vocab_size=ctx.vocab_size, max_n=ctx.max_n)
     fim = require_fim(ctx.tokenizer, "suffix") if req.suffix else None
     ticket = ctx.admit(len(prompts))  # before any tokenization
@@ -102,8 +107,7 @@ class _CompletionView:
                 "model": self.ctx.model_name, "choices": choices}
 
     async def collect(self, stream: AsyncIterator) -> list[RequestOutput]:
-        outputs = [RequestOutput(r.request_id, None, r.prompt_token_ids,
-                                 [CompletionOutput(index=i) for i in range(self.n)])
+        outputs = [RequestOutput.start(r.request_id, None, r.prompt_token_ids, r.params)
                    for r in self.engine_requests]
         async for pos, delta in stream:
             outputs[pos].apply(delta)
@@ -113,48 +117,79 @@ class _CompletionView:
         choices, num_generated = [], 0
         for pos, out in enumerate(outputs):
             for sample in out.outputs:
-                num_generated += len(sample.token_ids)
-                logprobs = None
-                if self.req.logprobs is not None:
-                    logprobs = CompletionLogprobs(self.ctx.token_text).chunk(
-                        sample.token_ids, sample.logprobs, sample.top_logprobs)
-                choices.append({"index": pos * self.n + sample.index,
-                                "text": self.echo_texts[pos] + sample.text,
-                                "logprobs": logprobs, "finish_reason": sample.finish_reason,
-                                "stop_reason": sample.stop_reason})
+                token_ids, text, lps, tops = self._generated(
+                    sample.token_ids, sample.text, sample.logprobs, sample.top_logprobs)
+                num_generated += len(token_ids)
+                choice = {"index": pos * self.n + sample.index,
+                          "text": self.echo_texts[pos] + text,
+                          "logprobs": self._logprobs(out, CompletionLogprobs(
+                              self.ctx.token_text, len(self.echo_texts[pos])), token_ids, lps, tops),
+                          "finish_reason": sample.finish_reason,
+                          "stop_reason": sample.stop_reason}
+                self._first_chunk_extras(choice, out)
                 if self.req.return_token_ids:
-                    choices[-1]["token_ids"] = list(sample.token_ids)
-                    choices[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(token_ids)
+                choices.append(choice)
         body = self._envelope(choices)
         body["usage"] = usage(self.num_prompt_tokens, num_generated)
         return body
 
+    def _generated(self, token_ids, text, logprobs, top_logprobs):
+        """A sample's output as the client sees it: nothing for max_tokens 0 (echo alone)."""
+        if self.req.max_tokens == 0:
+            return [], "", None, None
+        return token_ids, text, logprobs, top_logprobs
+
+    def _logprobs(self, out: RequestOutput | None, shaper: CompletionLogprobs, token_ids,
+                  logprobs, top_logprobs) -> dict[str, Any] | None:
+        """Completions' logprobs of these output tokens; with echo and `out` given (the
+        choice's first chunk), the prompt's first."""
+        if self.req.logprobs is None:
+            return None
+        part = shaper.chunk(token_ids, logprobs, top_logprobs)
+        if not self.req.echo or out is None:
+            return part
+        return joined(prompt_part(self.ctx.token_text, out.prompt_token_ids, out.prompt_logprobs,
+                                  self.req.logprobs), part)
+
+    def _first_chunk_extras(self, choice: dict[str, Any], out: RequestOutput) -> None:
+        """What a choice's first chunk (or its whole answer) carries once: vLLM's
+        prompt_logprobs, the prompt's token ids (return_token_ids)."""
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.ctx.token_text, out.prompt_token_ids, out.prompt_logprobs)
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+
     async def sse(self, first: tuple[int, Any], stream: AsyncIterator) -> AsyncIterator[bytes]:
         include_usage = self.req.include_usage
-        echo_pending = {pos * self.n + i for pos, text in enumerate(self.echo_texts) if text
-                        for i in range(self.n)}
-        logprobs: dict[int, CompletionLogprobs] = {}
-        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
+        # each prompt's logprobs as they arrive (ahead of its first token)
+        prompts = [RequestOutput(r.request_id, None, r.prompt_token_ids, [])
+                   for r in self.engine_requests]
+        shapers: dict[int, CompletionLogprobs] = {}
         num_generated = 0
         async for pos, delta in prepend(first, stream):
-            if not (delta.text or delta.token_ids or delta.finish_reason):
+            if delta.prompt_logprobs is not None:
+                prompts[pos].add_prompt_logprobs(delta.prompt_logprobs)
+            token_ids, text, lps, tops = self._generated(
+                delta.token_ids, delta.text, delta.logprobs, delta.top_logprobs)
+            if not (text or token_ids or delta.finish_reason):
                 continue
             index = pos * self.n + delta.index
-            num_generated += len(delta.token_ids)
-            text = delta.text
-            if index in echo_pending:
-                echo_pending.discard(index)
+            num_generated += len(token_ids)
+            first_chunk = index not in shapers
+            if first_chunk:  # the echo, and with logprobs the prompt's
+                shapers[index] = CompletionLogprobs(self.ctx.token_text,
+                                                    len(self.echo_texts[pos]))
                 text = self.echo_texts[pos] + text
-            choice = {"index": index, "text": text, "logprobs": None,
+            out = prompts[pos] if first_chunk else None
+            choice = {"index": index, "text": text,
+                      "logprobs": self._logprobs(out, shapers[index], token_ids, lps, tops),
                       "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-            if self.req.logprobs is not None:
-                lp = logprobs.setdefault(index, CompletionLogprobs(self.ctx.token_text))
-                choice["logprobs"] = lp.chunk(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            if first_chunk:
+                self._first_chunk_extras(choice, out)
             if self.req.return_token_ids:
-                choice["token_ids"] = list(delta.token_ids)
-                if index not in ids_sent:
-                    ids_sent.add(index)
-                    choice["prompt_token_ids"] = list(self.engine_requests[pos].prompt_token_ids)
+                choice["token_ids"] = list(token_ids)
             chunk = self._envelope([choice])
             if include_usage:
                 chunk["usage"] = None

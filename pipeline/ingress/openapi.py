@@ -36,10 +36,16 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo, the prompt's tokens come first; its first token's entries are null."""
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -48,6 +54,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    # vLLM's, with prompt_logprobs (a stream's first chunk of each choice): null for the first
+    # prompt token, then token id -> its logprob, for the top-N and the prompt's own token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

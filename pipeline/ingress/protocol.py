@@ -156,18 +156,36 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    echo: bool | None = Field(False, description="not together with logprobs")
+    max_tokens: documented(int, type="integer", minimum=0, **{LIMIT_KEY: "max_tokens"}) | None = Field(
+        None, description="prompt tokens + max_tokens must fit the model's context; 0 only "
+        "with echo: the prompt (and with logprobs its logprobs) alone")
+    echo: bool | None = Field(False, description="the prompt before the completion; with "
+                              "logprobs, the prompt tokens' logprobs first (the first: null)")
     logprobs: documented(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
         None, description="top-N besides the chosen token; null: none")
+    prompt_logprobs: documented(int, type="integer", minimum=0, maximum=MAX_LOGPROBS) | None = Field(
+        None, description="vLLM's: each choice's `prompt_logprobs`, per prompt token after the "
+        "first its logprob and the top-N (token id -> {logprob, decoded_token})")
     suffix: str | None = Field(None, description="the text after the gap: the prompt is "
                                "what comes before it, the completion fills it (a model with "
                                "fill-in-the-middle tokens; empty: a plain completion)")
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo together with logprobs would need prompt logprobs, which this "
-                          "server does not compute", "echo")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise invalid(f"max_tokens must be at least 0 (0 with echo: the prompt alone), got "
+                          f"{self.max_tokens}", "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens must be at least 1, got 0 (0 asks for the prompt alone, "
+                          "which needs echo)", "max_tokens")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-N of the prompt logprobs the engine computes: for echo with logprobs, and for
+        prompt_logprobs (the larger when both)."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of texts or token-id lists; each must be non-empty."""

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.pipeline.messages import TextDelta
+from pagedserve.pipeline.messages import PromptLogprobs, TextDelta
 from pagedserve.pipeline.outputs import RequestError
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -78,6 +78,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
+    drop_prompt_logprobs: bool = False  # send only the first chunk of prompt logprobs
 
     @property
     def eos_token_id(self) -> int:
@@ -100,6 +101,10 @@ class FakeEngine:
         open_samples = set(range(params.n))
         texts = [""] * params.n
         try:
+            chunks = fake_prompt_logprobs(list(prompt), params.prompt_logprobs)
+            for chunk in chunks[:1] if self.drop_prompt_logprobs else chunks:
+                yield TextDelta(request_id=request_id, index=0, text="", token_ids=[],
+                                prompt_logprobs=chunk, num_prompt_tokens=len(prompt))
             step = 0
             while open_samples:
                 await asyncio.sleep(self.step_delay)
@@ -153,6 +158,18 @@ class FakeEngine:
 
     async def health(self, timeout: float = 5.0) -> bool:
         return self.healthy
+
+
+def fake_prompt_logprobs(prompt: list[int], top_n: int | None) -> list[PromptLogprobs]:
+    """FakeEngine's prompt logprobs, in two chunks: prompt token p has -p / 10, and the top-N
+    are byte tokens 200, 201, ... at -0.05, -1.05, ... (so a prompt token is never among them)."""
+    if top_n is None or len(prompt) < 2:
+        return []
+    logprobs = [-p / 10 for p in range(1, len(prompt))]
+    tops = [[(200 + k, -0.05 - k) for k in range(top_n)] for _ in logprobs]
+    half = (len(logprobs) + 1) // 2
+    return [PromptLogprobs(1 + at, logprobs[at:at + half], tops[at:at + half])
+            for at in range(0, len(logprobs), half)]
 
 
 def make_test_context(tokenizer=None, *, max_model_len: int = 64, max_queued_requests: int = 8,

@@ -34,6 +34,9 @@ _CARRIED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_toke
 # Penalties count output tokens, which the continuation sends as prompt: not resumed exactly.
 _NOT_RESUMABLE = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
                   "top_logprobs", "echo")
+# Asked for even as 0 (the top-0: the token's own logprob); prompt_logprobs go out with a
+# stream's first chunk, which a continuation would not repeat.
+_ASKED_AS_ZERO = ("logprobs", "top_logprobs", "prompt_logprobs")
 # Output constraints compiled into a grammar from the first output token on.
 _GRAMMARS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
              "guided_grammar")
@@ -86,6 +89,9 @@ class ResumableStream:
             return "it is a batch of prompts"
         for name in _NOT_RESUMABLE:
             if self.body.get(name) not in (None, False):
+                return f"it asks for {name}"
+        for name in _ASKED_AS_ZERO:
+            if type(self.body.get(name)) is int:
                 return f"it asks for {name}"
         constraint = output_constraint(self.body)
         if constraint:

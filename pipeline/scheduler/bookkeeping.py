@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pagedserve.pipeline.messages import Fork, StepPlan, StepResult
+from pagedserve.pipeline.messages import Fork, PromptLogprobs, StepPlan, StepResult
 from pagedserve.pipeline.scheduler.admission import RequestRejected, admit_request
 from pagedserve.pipeline.scheduler.lookahead import promote
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
@@ -186,6 +186,8 @@ class RequestLifecycle:
         outputs, pending = advance(b, result, self.kv, block_size=self.block_size,
                                    caching=self.config.enable_prefix_caching,
                                    stop_id_union=self.stop_id_union)
+        if result.prompt_logprobs:  # before the stop rules finish (and forget) sequences
+            outputs.prompt_logprobs = self._new_prompt_logprobs(result)
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
             # go back to the pool in the same order either way.
@@ -206,6 +208,18 @@ class RequestLifecycle:
                                             block_size=self.block_size,
                                             caching=self.config.enable_prefix_caching)
         return outputs
+
+    def _new_prompt_logprobs(self, result: StepResult) -> list[tuple[str, PromptLogprobs]]:
+        """The chunks of prompt logprobs the result carries that no earlier step passed on."""
+        out = []
+        for seq_id, chunk in result.prompt_logprobs:
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue  # aborted while the step ran
+            new = seq.request.take_prompt_logprobs(chunk)
+            if new is not None:
+                out.append((seq.request.request_id, new))
+        return out
 
     def _finish_sampled(self, seq: Sequence, token: int, row: int, result: StepResult
                         ) -> SequenceOutput:

@@ -361,8 +361,8 @@ class Scheduler(RequestLifecycle):
         else whether the chunk completes its tokens."""
         kv, req, tokens = self.kv, seq.request, seq.token_ids
         total = len(tokens)
-        cached = (kv.lookup_prefix(tokens, req.cache_salt)
-                  if self.config.enable_prefix_caching else 0)
+        reads_cache = self.config.enable_prefix_caching and not req.wants_prompt_logprobs
+        cached = kv.lookup_prefix(tokens, req.cache_salt) if reads_cache else 0
         chunk = total - cached
         if chunk > b.budget:
             if not self.config.enable_chunked_prefill:
@@ -370,7 +370,7 @@ class Scheduler(RequestLifecycle):
             chunk = b.budget
         if not kv.can_allocate(chunk, num_cached_tokens=cached):
             return None  # the watermark keeps room for running sequences to grow
-        got = kv.allocate(seq.seq_id, tokens, chunk, req.cache_salt)
+        got = kv.allocate(seq.seq_id, tokens, chunk, req.cache_salt, read_cache=reads_cache)
         if got is None:
             return None
         seq.admitted(got, chunk)
@@ -465,7 +465,8 @@ class Scheduler(RequestLifecycle):
         head = self.waiting[0][1]
         tokens = head.token_ids
         cached = (self.kv.lookup_prefix(tokens, head.request.cache_salt)
-                  if self.config.enable_prefix_caching else 0)
+                  if self.config.enable_prefix_caching
+                  and not head.request.wants_prompt_logprobs else 0)
         need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
         while not self.kv.can_allocate(need, num_cached_tokens=cached):
             victim = pick_victim((self.running, self.prefilling), self.policy.key, b.step_id)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagedserve.pipeline.messages import PromptLogprobs
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ class RequestState:
     __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
                  "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
                  "num_unfinished", "forked", "queued", "crashes", "speculates", "num_drafted",
-                 "num_accepted")
+                 "num_accepted", "num_prompt_logprobs")
 
     def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
                  priority: int, cache_salt: str | None, num_prompt_tokens: int,
@@ -89,6 +90,24 @@ class RequestState:
         # it proposed and had accepted, for its acceptance rate.
         self.speculates = False
         self.num_drafted = self.num_accepted = 0
+        # Prompt tokens whose logprobs went to the detokenizer (the first has none).
+        self.num_prompt_logprobs = 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not had them all: its prompt positions must be
+        computed, so it reads nothing from the prefix cache (as vLLM does)."""
+        return (self.sampling.prompt_logprobs is not None
+                and self.num_prompt_logprobs < self.num_prompt_tokens)
+
+    def take_prompt_logprobs(self, chunk: PromptLogprobs) -> PromptLogprobs | None:
+        """The part of a computed chunk that is new and follows what was passed on (a
+        recompute repeats positions; a gap, which no schedule makes, passes nothing)."""
+        new = chunk.after(self.num_prompt_logprobs)
+        if new is None or new.start != self.num_prompt_logprobs:
+            return None
+        self.num_prompt_logprobs = new.start + len(new.logprobs)
+        return new
 
     @property
     def num_seq_slots(self) -> int:
@@ -348,13 +367,15 @@ class StepOutputs(CollectionSequence):
     columns read the live sequences, so read a step's outputs before the next `update`.
     """
 
-    __slots__ = ("seqs", "token_ids", "others")
+    __slots__ = ("seqs", "token_ids", "others", "prompt_logprobs")
 
     def __init__(self, seqs: list[Sequence], token_ids: list[int],
                  others: list[SequenceOutput]) -> None:
         self.seqs = seqs
         self.token_ids = token_ids
         self.others = others
+        # (request id, chunk): prompt logprobs new this step (not counted in len())
+        self.prompt_logprobs: list[tuple[str, PromptLogprobs]] = []
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.others)

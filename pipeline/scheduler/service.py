@@ -345,6 +345,8 @@ class SchedulerService:
             batch.indices = list(map(_INDEX, seqs))
             batch.token_ids = outputs.token_ids
             batch.offsets = [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq in seqs]
+        batch.prompt_logprobs = [(rid, chunk) for rid, chunk in outputs.prompt_logprobs
+                                 if rid in self.owners]
         samples = batch.samples
         for out in outputs.others:
             owner = self.owners.get(out.request_id)
@@ -362,7 +364,7 @@ class SchedulerService:
                 num_prompt_tokens=owner.num_prompt_tokens))
             if out.request_finished:
                 del self.owners[out.request_id]
-        if samples or seqs:
+        if samples or seqs or batch.prompt_logprobs:
             self.send_to_detok(batch)
 
     def stats(self) -> dict:

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from faults.conftest import Group
-from pagedserve.workers.testing import hf_greedy
+from pagedserve.workers.testing import hf_greedy, hf_prompt_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,38 @@ def test_n2_logprobs_seed_and_stop(server):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_prompt_logprobs_equal_transformers(server, model_dir, tokenizer):
+    """lm-evaluation-harness's loglikelihood request (echo, max_tokens 0, logprobs 1,
+    temperature 0) and vLLM's prompt_logprobs on SmolLM2: every prompt token's logprob, and
+    the top-N, equal transformers' log_softmax to 1e-3."""
+    _, base, sdk, model = server
+    prompt = "The quick brown fox jumps over the lazy dog, because it wanted to see the river."
+    ids = tokenizer.encode(prompt)
+    want = hf_prompt_logprobs(model_dir, ids)
+    own = want.gather(1, __import__("torch").tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+    r = sdk.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                               temperature=0)
+    choice = r.choices[0]
+    assert choice.text == prompt and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(own, abs=1e-3)
+    best = want.max(dim=1).values.tolist()
+    assert [max(top.values()) for top in lp.top_logprobs[1:]] == pytest.approx(best, abs=1e-3)
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": "Bearer sekret"},
+                   timeout=120, json={"model": model, "prompt": ids, "max_tokens": 1,
+                                      "temperature": 0, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for pos in range(1, len(ids)):
+        values, top = want[pos - 1].topk(3)
+        expected = dict(zip(top.tolist(), values.tolist())) | {ids[pos]: own[pos - 1]}
+        got = {int(t): e["logprob"] for t, e in entries[pos].items()}
+        assert got == pytest.approx(expected, abs=1e-3)
+
+
 def test_bad_requests_get_openai_errors_then_good_ones_work(server):
     group, base, sdk, model = server
     cases = [
@@ -78,6 +110,9 @@ def test_bad_requests_get_openai_errors_then_good_ones_work(server):
         ({"model": model, "prompt": [99999999]}, 400),
         ({"model": model, "prompt": "hi", "max_tokens": 10**9}, 400),
         ({"model": model}, 400),
+        ({"model": model, "prompt": "hi there", "prompt_logprobs": 21}, 400),
+        ({"model": model, "prompt": "hi there", "echo": True, "logprobs": 21}, 400),
+        ({"model": model, "prompt": "hi there", "echo": True, "max_tokens": -1}, 400),
     ]
     headers = {"Authorization": "Bearer sekret"}
     for body, status in cases:

@@ -37,6 +37,21 @@ def test_allocate_then_prefix_hit_shares_full_blocks():
     assert m.stats().gpu_blocks_used == 0 and m.usage == 0.0
 
 
+def test_allocate_without_reading_the_cache_computes_every_token():
+    """A request that needs every position computed (prompt logprobs) takes fresh blocks
+    although its prefix is cached; once computed, its blocks leave the cached ones in place."""
+    m = KVCacheManager(10, block_size=4, watermark=0.0)
+    prompt = list(range(10))
+    m.allocate(1, prompt, 10)
+    m.cache_blocks(1, prompt, 10)
+    assert m.allocate(2, prompt, 10, read_cache=False) == 0
+    assert m.block_table(2) == [3, 4, 5] and refs(m, [0, 1, 2]) == [1, 1, 1]
+    m.cache_blocks(2, prompt, 10)
+    assert m.lookup_prefix(prompt) == 8
+    m.free(1)
+    assert m.allocate(3, prompt, 2) == 8 and m.block_table(3)[:2] == [0, 1]
+
+
 def test_eviction_order_is_lru_and_tail_first():
     m = KVCacheManager(10, block_size=4, watermark=0.0)
     a, b = list(range(12)), list(range(100, 112))

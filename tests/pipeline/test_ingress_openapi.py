@@ -55,6 +55,16 @@ def test_every_route_is_documented_with_its_body_and_errors():
     assert "content" not in schema["paths"]["/health"]["get"]["responses"]["200"]
 
 
+def test_completions_document_echo_logprobs_and_prompt_logprobs():
+    components = served_schema()["components"]["schemas"]
+    fields = components["CompletionRequest"]["properties"]
+    assert {"type": "integer", "minimum": 0, "maximum": 20} in fields["prompt_logprobs"]["anyOf"]
+    choice = components["CompletionChoice"]["properties"]
+    assert "prompt_logprobs" in choice
+    assert {"type": "null"} in components["CompletionLogprobs"]["properties"][
+        "top_logprobs"]["items"]["anyOf"]
+
+
 def test_token_and_infill_routes_document_their_bodies_and_answers():
     from pagedserve.pipeline.ingress.infill import InfillRequest
     from pagedserve.pipeline.ingress.tokenize import (DetokenizeRequest, TokenizeChatRequest,
@@ -91,7 +101,8 @@ def test_ranges_and_the_served_models_limits_are_documented():
     def branch(name, type_):
         return next(b for b in props[name]["anyOf"] if b.get("type") == type_)
     assert branch("n", "integer")["maximum"] == 128  # IngressContext.max_n
-    assert branch("max_tokens", "integer") == {"type": "integer", "minimum": 1, "maximum": 63}
+    # 0: with echo, the prompt alone (chat's max_tokens starts at 1)
+    assert branch("max_tokens", "integer") == {"type": "integer", "minimum": 0, "maximum": 63}
     assert branch("temperature", "number") == {"type": "number", "minimum": 0, "maximum": 2}
     token_lists = [b for b in props["prompt"]["anyOf"] if b["type"] == "array"]
     assert token_lists[1]["items"]["maximum"] == 258  # the tiny tokenizer's last id

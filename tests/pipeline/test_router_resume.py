@@ -127,6 +127,10 @@ def test_continuation_body_for_a_completion_without_max_tokens():
     penalized = ResumableStream("completion", {"prompt": "hi", "frequency_penalty": 0.5})
     penalized.prompt_token_ids = [1]
     assert "frequency_penalty" in penalized.why_not_resumable()
+    for name in ("prompt_logprobs", "logprobs"):  # 0 asks for them too
+        asking = ResumableStream("completion", {"prompt": "hi", name: 0})
+        asking.prompt_token_ids = [1]
+        assert name in asking.why_not_resumable()
 
 
 def test_an_overloaded_replica_is_skipped_and_overload_everywhere_is_a_503_with_retry_after():
