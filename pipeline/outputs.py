@@ -54,3 +54,21 @@ class RequestOutput:
             out.finish_reason = delta.finish_reason
             out.stop_reason = delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (normalized when the model's pooler says so)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -93,7 +93,8 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
                          runner_blocks, rank, tp, cache_dtype,
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
                          else cfg.scheduling.max_num_seqs, quantization=quantization,
-                         cpu_replay=not cfg.parallel.enforce_eager)
+                         cpu_replay=not cfg.parallel.enforce_eager,
+                         pooler=cfg.model_info.pooler())
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,

@@ -15,6 +15,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.shm_tables import SharedBlockTables
 from pagedserve.pipeline.messages import NewSeq, SharedTables, StepPlan, StepResult
+from pagedserve.pipeline.pooling import to_bytes
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.kv_cache import allocate_swap_pool
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
@@ -38,10 +39,11 @@ class SeqState:
     block_ids: list[int]          # from the plans' diffs
     num_computed_tokens: int
     table_row: int = -1           # its row in the scheduler's shared block tables
+    pool: bool = False            # an embedding prompt: pooled, not sampled, at its end
 
     def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        list(self.block_ids), self.num_computed_tokens, table_row)
+                        list(self.block_ids), self.num_computed_tokens, table_row, self.pool)
 
 
 class WorkerCore:
@@ -93,9 +95,10 @@ class WorkerCore:
             self._register(new)
         self._move_blocks(plan)
 
-        items, sampled_ids = self._collect(plan)
+        items, sampled_ids, pooled_ids = self._collect(plan)
         started = time.perf_counter()
-        logits = self.runner.execute(items)
+        step = self.runner.run(items)
+        logits = step.logits
         forward_done = time.perf_counter()
         seqs = self.seqs
         for seq_id in plan.decode_seq_ids:
@@ -122,6 +125,9 @@ class WorkerCore:
             result = self._verify(plan, logits, row_ids, rows, drafts)
         else:
             result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
+        if pooled_ids:
+            result.pooled_seq_ids = pooled_ids
+            result.pooled = [to_bytes(v) for v in step.pooled.cpu().numpy()]
         self._last_result = result
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
@@ -133,7 +139,7 @@ class WorkerCore:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row)
+            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row, new.pool)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         kv_cache = self.runner.kv_cache
@@ -144,8 +150,9 @@ class WorkerCore:
         if plan.copy:
             kernels.copy_blocks(kv_cache, _mapping(plan.copy, kv_cache.device))
 
-    def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
-        items, sampled_ids = [], []
+    def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int], list[int]]:
+        """The step's items, the sequences that sample (in row order) and those pooled."""
+        items, sampled_ids, pooled_ids = [], [], []
         shared = self.tables is not None
         if len(plan.decode_token_ids) != len(plan.decode_seq_ids):
             raise ValueError(f"plan {plan.step_id} has {len(plan.decode_seq_ids)} decode_seq_ids "
@@ -183,10 +190,14 @@ class WorkerCore:
                                  f"reach the end of its tokens")
             row = state.table_row if shared else -1
             computed = state.token_ids[start:end] + drafts if drafts else state.token_ids[start:end]
+            if sample and state.pool:  # an embedding prompt's end: pooled, nothing sampled
+                items.append(SeqStep(computed, start, state.block_ids, False, row, pool=True))
+                pooled_ids.append(scheduled.seq_id)
+                continue
             items.append(SeqStep(computed, start, state.block_ids, sample, row, len(drafts)))
             if sample:
                 sampled_ids.append(scheduled.seq_id)
-        return items, sampled_ids
+        return items, sampled_ids, pooled_ids
 
     def _decode_tokens(self, plan: StepPlan) -> list[int]:
         """The decode columns' input tokens: the plan's, or for a plan made before the last

@@ -17,11 +17,13 @@ from pagedserve.workers.cpu_decode_replay import CpuDecodeReplay
 from pagedserve.workers.cpu_decode_replay import unsupported_reason as replay_unsupported
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
+from pagedserve.pipeline.pooling import PoolerConfig
 from pagedserve.workers.heap import trim_heap
 from pagedserve.workers.kv_cache import allocate_kv_cache
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
+from pagedserve.workers.pooling import pool_hidden
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
 
@@ -38,6 +40,16 @@ class SeqStep:
     sample: bool               # whether its last row's logits are wanted
     table_row: int = -1        # >= 0: take the block table from this row of shared_tables
     num_drafts: int = 0        # the last tokens are drafts: their rows' logits are wanted too
+    pool: bool = False         # the last chunk of an embedding prompt: pool its hidden states
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step returns: the logits of the sampling items (in item order) and the pooled
+    vectors of the pooling items (fp32 [num pooling items, hidden], in item order)."""
+
+    logits: torch.Tensor
+    pooled: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +72,7 @@ class _StepArrays:
     num_decode: int           # sequences (= rows) computing exactly one token
     sample_rows: np.ndarray   # rows whose logits are returned, in item order
     seq_of_row: np.ndarray    # [T] int64: the reordered sequence of each row
+    pool_spans: np.ndarray    # [k, 2] int64 (first row, end row) of each pooling item, in order
 
 
 class ModelRunner:
@@ -71,7 +84,8 @@ class ModelRunner:
                  device: torch.device | str, block_size: int, num_blocks: int,
                  tp_rank: int = 0, tp_size: int = 1,
                  kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256,
-                 quantization: str = "none", cpu_replay: bool = True) -> None:
+                 quantization: str = "none", cpu_replay: bool = True,
+                 pooler: PoolerConfig | None = None) -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
         `quantization`: auto (a quantized checkpoint's format kept as stored, else none), none
@@ -82,8 +96,11 @@ class ModelRunner:
         `cpu_replay`: on CPU, steps of up to cpu_decode_replay.MAX_ROWS tokens (decodes, drafts,
         short prefill chunks) replay their native kernel calls (workers/cpu_decode_replay.py)
         where the model allows and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager
-        (--enforce-eager)."""
+        (--enforce-eager).
+        `pooler`: how embedding requests pool (pipeline/pooling.py); None: the default for the
+        model's kind (LAST for a decoder, CLS for an encoder, normalized)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.pooler = pooler or PoolerConfig("CLS" if config.is_encoder else "LAST")
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
         quantization = "none" if model_dir is None and quantization == "auto" else \
@@ -133,12 +150,37 @@ class ModelRunner:
                  block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    @torch.inference_mode()
     def execute(self, items: list[SeqStep]) -> torch.Tensor:
         """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
+        return self.run(items).logits
+
+    @torch.inference_mode()
+    def run(self, items: list[SeqStep]) -> StepOutput:
+        """Compute every item's tokens: the sampling items' logits and the pooling items'
+        vectors (workers/pooling.py), both in item order."""
         if not items:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
+            return StepOutput(torch.empty(0, self.config.vocab_size, device=self.device))
         arrays = self._flatten(items)
+        if len(arrays.pool_spans):  # pooling reads every row's hidden state: the eager path
+            return self._run_pooling(items, arrays)
+        return StepOutput(self._logits(items, arrays))
+
+    def _run_pooling(self, items: list[SeqStep], arrays: _StepArrays) -> StepOutput:
+        pooler = self.pooler
+        if pooler.whole_prompt:
+            partial = [i for i, it in enumerate(items) if it.pool and it.start_pos]
+            if partial:
+                raise ValueError(f"item {partial[0]}: {pooler.pooling_type} pooling needs the "
+                                 f"whole prompt in one step, but it starts at position "
+                                 f"{items[partial[0]].start_pos}")
+        step = self._tensors(arrays)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        pooled = pool_hidden(hidden, arrays.pool_spans, pooler)
+        if step.sample_rows.numel() == 0:
+            return StepOutput(torch.empty(0, self.config.vocab_size, device=self.device), pooled)
+        return StepOutput(self.model.compute_logits(hidden[step.sample_rows]), pooled)
+
+    def _logits(self, items: list[SeqStep], arrays: _StepArrays) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and arrays.num_decode == len(items) \
                 and graphs.fits(len(items), arrays.tables.shape[1]):
@@ -205,8 +247,10 @@ class ModelRunner:
         if any(it.num_drafts for it in items):  # speculation: the drafts' rows too, in order
             counts = np.fromiter((it.num_drafts + 1 for it in items), np.int64, n)[sample_mask]
             sample_rows = np.repeat(sample_rows - counts + 1, counts) + _ramps(counts)
+        pool_mask = np.fromiter((it.pool for it in items), bool, n)
+        pool_spans = np.stack([cu[inverse], cu[inverse + 1]], axis=1)[pool_mask]
         return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
-                           sample_rows, seq_of_row)
+                           sample_rows, seq_of_row, pool_spans)
 
     def _tensors(self, a: _StepArrays) -> StepTensors:
         to, d = self._to_device, a.num_decode
