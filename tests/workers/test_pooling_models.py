@@ -116,3 +116,17 @@ def test_decoder_mean_pooling(tiny_llama):
     hidden = llama_hidden(tiny_llama, ids)
     assert torch.allclose(out.pooled[1], hidden.mean(0), atol=1e-4)
     assert torch.allclose(out.pooled[0], llama_hidden(tiny_llama, [4])[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [40, 38, 3, 1, 1, 17, 16, 16], [1], [64] * 70])
+def test_grouped_encoder_attention_is_the_per_input_attention(lengths):
+    from pagedserve.workers.models.encoder_attention import attend, plan_groups
+    torch.manual_seed(0)
+    total, heads, dim = sum(lengths), 3, 8
+    q, k, v = (torch.randn(total, heads, dim) for _ in range(3))
+    spans = np.cumsum([0, *lengths])
+    spans = list(zip(spans[:-1].tolist(), spans[1:].tolist()))
+    got = attend(torch.stack([q, k, v], 1), plan_groups(spans, "cpu"))
+    for a, b in spans:
+        want = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)))
+        assert torch.allclose(got[a:b], want.transpose(0, 1), atol=1e-6)
