@@ -213,6 +213,11 @@ class AsyncLLM:
             out.apply(delta)
             yield out
 
+    async def embed(self, prompt: str | Sequence[int], pooling: PoolingParams | None = None
+                    ) -> EmbeddingRequestOutput:
+        """One prompt's pooled vector (`.outputs.embedding`), batched with everything in flight."""
+        return await self._client.embed(prompt, pooling)
+
     async def abort(self, request_id: str) -> None:
         await self._client.abort(request_id)
 
