@@ -13,9 +13,10 @@ max_seq_length, so the reference truncates nothing and both sides embed the same
    of --batch-size, padded per batch; tokenization included. torch uses the worker's threads.
 
 The two run alternately --rounds times (medians reported, every run in the JSON), so that a
-shared host's load weighs on both alike. Both sides' vectors are compared (min cosine). The last line is one JSON object (ours_seq_s,
-ours_tok_s, ref_seq_s, ref_tok_s, ratio, min_cosine, ...), stored under
-benchmarks/results/bench_embeddings/ (scripts/bench_record.py) unless --no-store.
+shared host's load weighs on both alike. Both sides' vectors are compared (min cosine). The
+last line is one JSON object (ours_seq_s, ours_tok_s, ref_seq_s, ref_tok_s, ratio, min_cosine,
+...), stored under benchmarks/results/bench_embeddings/ (scripts/bench_record.py) unless
+--no-store.
 
     .venv/bin/python scripts/bench_embeddings.py --num-prompts 256
 """

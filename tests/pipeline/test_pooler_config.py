@@ -10,7 +10,8 @@ from pagedserve.pipeline.pooling import PoolerConfig, PoolingParams, truncate
 
 
 def write_st(path, pooling, normalize=True):
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -61,8 +62,9 @@ def test_dimensions_and_truncation():
 def test_an_encoder_refuses_a_context_past_its_positions(tmp_path, monkeypatch):
     from transformers import BertConfig, BertModel
     from pagedserve.pipeline.launch import resolve_model
-    BertModel(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=16, max_position_embeddings=32)).save_pretrained(tmp_path)
+    BertModel(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=16,
+                         max_position_embeddings=32)).save_pretrained(tmp_path)
     write_st(tmp_path, "mean")
     config = EngineConfig.from_kwargs(model=str(tmp_path), max_model_len=64)
     with pytest.raises(ModelLoadError, match="--max-model-len 64 is longer than the 32 positions"):

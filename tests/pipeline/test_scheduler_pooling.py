@@ -80,15 +80,16 @@ def test_whole_prompt_pooling_is_one_step_and_uncached():
 
 
 def test_admission_of_embedding_requests():
-    sched, _ = make_scheduler(40, max_num_batched_tokens=32, max_num_seqs=8, pooling_whole_prompt=True,
-                              max_model_len=64)
+    sched, _ = make_scheduler(40, max_num_batched_tokens=32, max_num_seqs=8,
+                              pooling_whole_prompt=True, max_model_len=64)
     with pytest.raises(RequestRejected, match=r"33 tokens .* one step, of at most 32 tokens "
                                               r"\(--max-num-batched-tokens\)"):
         sched.add(embed_request("long", list(range(33))))
     with pytest.raises(RequestRejected, match="one sample and no output tokens"):
         sched.add(Request("n2", [1, 2], SamplingParams(n=2), pooling=PoolingParams()))
     sched.add(embed_request("fits", list(range(32))))  # a pooling prompt may fill the budget
-    chunked, _ = make_scheduler(40, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64)
+    chunked, _ = make_scheduler(40, max_num_batched_tokens=32, max_num_seqs=8,
+                                max_model_len=64)
     chunked.add(embed_request("whole-context", list(range(64))))  # no room to generate needed
     with pytest.raises(RequestRejected, match="input has 65 tokens but max_model_len is 64"):
         chunked.add(embed_request("too-long", list(range(65))))

@@ -52,7 +52,8 @@ def test_bert_mean_pooling_matches_transformers(tiny_bert):
     inputs = [rng.integers(1, 300, n).tolist() for n in (7, 1, 33, 20)]
     runner = runner_for(tiny_bert, PoolerConfig("MEAN", True))
     tables = [[2 * i, 2 * i + 1, 2 * i + 8, 2 * i + 9] for i in range(len(inputs))]
-    out = runner.run([SeqStep(ids, 0, table, False, pool=True) for ids, table in zip(inputs, tables)])
+    out = runner.run([SeqStep(ids, 0, table, False, pool=True)
+                      for ids, table in zip(inputs, tables)])
     assert out.logits.shape[0] == 0 and out.pooled.shape == (4, 64)
     for ids, got in zip(inputs, out.pooled):
         with torch.no_grad():
@@ -67,7 +68,8 @@ def test_bert_cls_pooling_unnormalized(tiny_bert):
     from transformers import BertModel
     reference = BertModel.from_pretrained(tiny_bert, dtype=torch.float32).eval()
     ids = list(range(5, 17))
-    out = runner_for(tiny_bert, PoolerConfig("CLS", False)).run([SeqStep(ids, 0, [0], False, pool=True)])
+    runner = runner_for(tiny_bert, PoolerConfig("CLS", False))
+    out = runner.run([SeqStep(ids, 0, [0], False, pool=True)])
     with torch.no_grad():
         want = reference(torch.tensor([ids])).last_hidden_state[0, 0]
     assert torch.allclose(out.pooled[0], want, atol=1e-5)
@@ -101,7 +103,8 @@ def test_decoder_last_pooling_across_chunks(tiny_llama):
     # step with a sampling sequence
     first = runner.run([SeqStep(ids[:25], 0, table, False)])
     assert first.pooled is None and first.logits.shape[0] == 0
-    mixed = runner.run([SeqStep(other, 0, [7], True), SeqStep(ids[25:], 25, table, False, pool=True)])
+    mixed = runner.run([SeqStep(other, 0, [7], True),
+                        SeqStep(ids[25:], 25, table, False, pool=True)])
     want = F.normalize(llama_hidden(tiny_llama, ids)[-1], dim=-1)
     assert cosine(mixed.pooled[0], want) >= 0.9999
     assert torch.allclose(mixed.pooled[0], want, atol=1e-4)
