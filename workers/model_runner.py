@@ -19,7 +19,7 @@ from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
 from pagedserve.pipeline.pooling import PoolerConfig
 from pagedserve.workers.heap import trim_heap
-from pagedserve.workers.kv_cache import allocate_kv_cache
+from pagedserve.workers.kv_cache import allocate_kv_cache, kv_cache_shape
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
@@ -127,11 +127,17 @@ class ModelRunner:
             if freed:
                 trim_heap()
                 log.info("packed linears: freed %.1f MiB of plain weights", freed / 2**20)
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
-                                          self.device, tp_size, tp_rank)
+        if config.is_encoder:  # its attention reads no cache: blocks only count admissions
+            self.kv_cache = torch.empty(kv_cache_shape(config, num_blocks, block_size, tp_size,
+                                                       tp_rank), dtype=self.kv_cache_dtype,
+                                        device="meta")
+        else:
+            self.kv_cache = allocate_kv_cache(config, num_blocks, block_size,
+                                              self.kv_cache_dtype, self.device, tp_size, tp_rank)
         self.decode_graphs: DecodeGraphs | None = None
         max_blocks = -(-config.max_position_embeddings // block_size)   # a table row's width
-        if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0:
+        if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0 \
+                and not config.is_encoder:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
                                               max_blocks)
         self.cpu_replay: CpuDecodeReplay | None = None
