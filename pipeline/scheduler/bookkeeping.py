@@ -186,7 +186,8 @@ class RequestLifecycle:
         outputs, pending, pooled = advance(b, result, self.kv, block_size=self.block_size,
                                            caching=self.config.enable_prefix_caching,
                                            stop_id_union=self.stop_id_union)
-        if pooled:
+        if pooled:  # finished in sequence order, as the stop rules below
+            pooled.sort(key=_seq_id)
             outputs.others.extend(self._finish_pooled(pooled, result))
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
@@ -386,3 +387,7 @@ class RequestLifecycle:
 
 def _seq_id_of_sampled(item: tuple[Sequence, int, int]) -> int:
     return item[0].seq_id
+
+
+def _seq_id(seq: Sequence) -> int:
+    return seq.seq_id

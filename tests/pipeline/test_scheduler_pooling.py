@@ -100,3 +100,27 @@ def test_an_encoder_refuses_generation():
     with pytest.raises(RequestRejected, match="encoder: it serves embeddings"):
         sched.add(Request("gen", [1, 2, 3], GREEDY))
     sched.add(embed_request("emb", [1, 2, 3]))
+
+
+def test_the_service_sends_the_vector_on_and_refeeds_it():
+    """Through SchedulerService: the vector goes to the detokenizer with the finish, and a
+    restarted detokenizer is re-fed it (the finished request is kept a while)."""
+    from pagedserve import transport
+    from pagedserve.pipeline import messages
+    from pagedserve.pipeline.scheduler.service import SchedulerService
+    sched, worker = make_scheduler(64, block_size=4, max_num_seqs=4, report_finished=True)
+    to_detok = []
+    svc = SchedulerService(sched, send_to_client=lambda c, m: None,
+                           send_to_detok=to_detok.append, clock=lambda: 0.0)
+    dispatch = transport.Dispatcher("scheduler", svc.handlers())
+    dispatch.dispatch(messages.AddRequest(
+        request_id="e", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=None),
+        arrival_time=0.0, pooling=PoolingParams()), b"client")
+    plan = sched.schedule(0.0)
+    svc.on_step_result(plan, worker.execute(plan))
+    (sample,) = to_detok[-1].samples
+    assert (sample.request_id, sample.token_ids, sample.finish_reason) == ("e", [], "stop")
+    assert sample.embedding == fake_embedding([5, 6, 7]) and not sched.requests
+    svc.refeed_detokenizer()
+    assert isinstance(to_detok[-2], messages.DetokOpen)
+    assert to_detok[-1].samples[0].embedding == fake_embedding([5, 6, 7])
