@@ -124,3 +124,33 @@ def test_the_service_sends_the_vector_on_and_refeeds_it():
     svc.refeed_detokenizer()
     assert isinstance(to_detok[-2], messages.DetokOpen)
     assert to_detok[-1].samples[0].embedding == fake_embedding([5, 6, 7])
+
+
+@pytest.mark.parametrize("mode, whole", [("recompute", False), ("swap", False),
+                                         ("recompute", True), ("swap", True)])
+def test_embeddings_survive_preemption_in_a_short_pool(mode, whole):
+    """A pool too small for everything at once: generations preempt (swap or recompute) each
+    other and half-prefilled embedding prompts; every generation still gets its tokens, every
+    embedding its vector, and every block comes back."""
+    import random
+    rng = random.Random(7)
+    sched, worker = make_scheduler(16, 16, block_size=4, max_num_batched_tokens=24,
+                                   max_num_seqs=6, preemption_mode=mode,
+                                   pooling_whole_prompt=whole)
+    prompts = {}
+    for i in range(14):
+        prompt = [rng.randrange(1, 900) for _ in range(rng.randrange(3, 24))]
+        if i % 2:
+            sched.add(embed_request(f"e{i}", prompt))
+        else:
+            sched.add(Request(f"g{i}", prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                              ignore_eos=True)))
+        prompts[f"{'e' if i % 2 else 'g'}{i}"] = prompt
+    tokens, reasons, plans, vectors = drive_collecting(sched, worker)
+    for rid, prompt in prompts.items():
+        if rid.startswith("e"):
+            assert vectors[rid] == fake_embedding(prompt) and tokens[rid] == {0: []}
+        else:
+            assert tokens[rid][0] == expected_tokens(prompt, 24, 1000)
+    assert sched.stats().num_preemptions > 0
+    assert sched.kv.num_free_blocks == 16 and not sched.requests
