@@ -5,8 +5,8 @@ sentence-transformers encodes it), then post-LayerNorm layers: bidirectional sel
 with biases, residual, LayerNorm; a GELU MLP, residual, LayerNorm. Attention is over each input
 alone and whole (encoder_attention.py): the scheduler computes an encoder input in one step
 from position 0 (pipeline/pooling.py), so nothing is read from or written to the paged KV
-cache. The linears are PackableLinears (q, k and v fused), prepacked as the decoders' are. The output is
-the last layer's hidden states; pooling them is the runner's (workers/pooling.py).
+cache. The linears are PackableLinears (q, k and v fused), prepacked as the decoders' are.
+The output is the last layer's hidden states; pooling them is the runner's (workers/pooling.py).
 """
 from __future__ import annotations
 
