@@ -21,7 +21,9 @@ import zmq.asyncio
 
 from pagedserve import transport
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.outputs import RequestError, RequestOutput
+from pagedserve.pipeline.outputs import (EmbeddingOutput, EmbeddingRequestOutput,
+                                          RequestError, RequestOutput)
+from pagedserve.pipeline.pooling import PoolingParams, from_bytes, truncate
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 _DONE = object()
@@ -274,8 +276,11 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[messages.TextDelta]:
-        """Stream TextDeltas of every sample until all n samples finish.
+                       cache_salt: str | None = None, pooling: PoolingParams | None = None
+                       ) -> AsyncIterator[messages.TextDelta]:
+        """Stream TextDeltas of every sample until all n samples finish. With `pooling` (an
+        embedding request: `embed` is the short way) the one delta is the finished sample
+        carrying the vector.
 
         Raises RequestError when the engine refuses or loses the request. Leaving the loop early
         (break, cancellation) aborts the request in the engine.
@@ -290,7 +295,7 @@ class AsyncEngineClient:
             raise ValueError("prompt is empty")
         st = _Stream(messages.AddRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=params,
-            arrival_time=time.time(), priority=priority, cache_salt=cache_salt))
+            arrival_time=time.time(), priority=priority, cache_salt=cache_salt, pooling=pooling))
         self._streams[request_id] = st
         remaining = params.n
         try:
@@ -319,6 +324,24 @@ class AsyncEngineClient:
         async for delta in self.generate(out.prompt_token_ids, params, **kwargs):
             out.apply(delta)
         return out
+
+    async def embed(self, prompt: str | Sequence[int], pooling: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+        """The prompt's pooled vector (the model's pooler; `pooling.dimensions` truncates and
+        normalizes again). Raises RequestError when the engine refuses or loses it."""
+        pooling = pooling or PoolingParams()
+        request_id = request_id or uuid.uuid4().hex
+        ids = self._prompt_ids(prompt)
+        vector = None
+        async for delta in self.generate(ids, SamplingParams(max_tokens=None),
+                                         request_id=request_id, priority=priority,
+                                         pooling=pooling):
+            vector = delta.embedding if delta.embedding is not None else vector
+        if vector is None:
+            raise RequestError(500, "the engine finished the embedding request without a "
+                                    "vector", request_id)
+        embedding = truncate(from_bytes(vector), pooling.dimensions)
+        return EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(embedding.tolist()))
 
     async def abort(self, *request_ids: str) -> None:
         transport.send(self._frontend, messages.Abort(list(request_ids)))
@@ -399,6 +422,14 @@ class EngineClient:
     def submit(self, prompt, params=None, **kwargs: Any):
         """Start a request without waiting; returns a concurrent.futures.Future[RequestOutput]."""
         return asyncio.run_coroutine_threadsafe(self._async.complete(prompt, params, **kwargs),
+                                                self._loop)
+
+    def embed(self, prompt, pooling=None, **kwargs: Any) -> EmbeddingRequestOutput:
+        return self._run(self._async.embed(prompt, pooling, **kwargs))
+
+    def submit_embed(self, prompt, pooling=None, **kwargs: Any):
+        """Start an embedding request without waiting: a Future[EmbeddingRequestOutput]."""
+        return asyncio.run_coroutine_threadsafe(self._async.embed(prompt, pooling, **kwargs),
                                                 self._loop)
 
     def abort(self, *request_ids: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve import envs
 from pagedserve.envs import Environment
+from pagedserve.pipeline.pooling import PoolerConfig
 from pagedserve.pipeline.speculative_config import SpeculativeConfig
 from pagedserve.private_files import read_private, write_private
 
@@ -61,6 +62,9 @@ class ModelArgs:
     quantization: str = "auto"
     generation_config: str = "auto"   # --generation-config: auto, vllm or a directory
     chat_template: str | None = None  # --chat-template: a file or an inline Jinja template
+    # --pooler-config: how embedding requests pool, vLLM's JSON ({"pooling_type": "MEAN",
+    # "normalize": true}); None: the model's sentence-transformers files, else its kind's
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -73,6 +77,11 @@ class ModelArgs:
                              f"combine with --dtype {self.dtype}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+        if self.pooler_config is not None:
+            try:
+                PoolerConfig.parse(self.pooler_config, PoolerConfig())
+            except ValueError as exc:
+                raise ValueError(f"--pooler-config {self.pooler_config!r}: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -338,10 +347,17 @@ class ModelInfo:
     # Positions every layer attends back (Mistral's sliding window); 0: none, or only some
     # layers windowed (Gemma 3). The scheduler then frees blocks that slid out of it.
     sliding_window: int = 0
+    hidden_size: int = 0  # an embedding's full length (`dimensions` may ask for fewer)
+    is_encoder: bool = False  # bidirectional (BERT): embeddings only
+    # pipeline/pooling.py's PoolerConfig in force, as a dict; empty: the default (LAST)
+    pooling: dict = field(default_factory=dict)
 
     @property
     def resolved(self) -> bool:
         return bool(self.model_dir)
+
+    def pooler(self) -> PoolerConfig:
+        return PoolerConfig(**self.pooling) if self.pooling else PoolerConfig()
 
 
 @dataclass(slots=True)
@@ -441,6 +457,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", default="auto", help="auto: the model's "
                    "generation_config.json fills unset sampling fields; vllm: no; or a directory")
     p.add_argument("--chat-template", default=None, help="a file or an inline Jinja template")
+    p.add_argument("--pooler-config", default=None, help="how /v1/embeddings pools, as vLLM's "
+                   "JSON: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": "
+                   "true}; default: the model's sentence-transformers config, else LAST "
+                   "(decoders) or CLS (encoders), normalized")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=d.cache.block_size)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,

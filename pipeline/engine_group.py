@@ -85,6 +85,8 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
     argv += ["--generation-config", m.generation_config]
     if m.chat_template is not None:
         argv += ["--chat-template", m.chat_template]
+    if m.pooler_config is not None:
+        argv += ["--pooler-config", m.pooler_config]
     if c.kv_cache_memory:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
     if p.cpu_threads:

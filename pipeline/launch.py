@@ -439,7 +439,29 @@ def resolve_model(config: EngineConfig) -> None:
         vocab_size=model.vocab_size, max_position_embeddings=model.max_position_embeddings,
         eos_token_ids=list(model.eos_token_ids), bos_token_id=model.bos_token_id,
         generation_defaults=defaults, chat_template=read_chat_template(config.model.chat_template),
-        sliding_window=getattr(model, "sliding_window", 0) or 0)
+        sliding_window=getattr(model, "sliding_window", 0) or 0, hidden_size=model.hidden_size,
+        is_encoder=model.is_encoder, pooling=_pooler(config.model.pooler_config, model_dir,
+                                                     model.is_encoder).to_dict())
+    if model.is_encoder and (config.model.max_model_len or 0) > model.max_position_embeddings:
+        from pagedserve.pipeline.load_error import ModelLoadError
+        raise ModelLoadError(f"--max-model-len {config.model.max_model_len} is longer than the "
+                             f"{model.max_position_embeddings} positions this encoder has")
+    if model.is_encoder and config.cache.enable_prefix_caching:
+        config.cache.enable_prefix_caching = False  # its KV is never reused (bidirectional)
+        log.info("prefix caching off: %s is an encoder", model.architecture)
+
+
+def _pooler(flag: str | None, model_dir: str, encoder: bool):
+    """--pooler-config over the model's sentence-transformers pooling (or its kind's default)."""
+    from pagedserve.pipeline.load_error import ModelLoadError
+    from pagedserve.pipeline.pooling import PoolerConfig
+    try:
+        pooler = PoolerConfig.parse(flag, PoolerConfig.for_model(model_dir, encoder))
+    except ValueError as exc:
+        raise ModelLoadError(f"pooling: {exc}") from None
+    log.info("embeddings: %s pooling%s", pooler.pooling_type,
+             ", normalized" if pooler.normalize else "")
+    return pooler
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,9 @@ from pagedserve.pipeline.client import AsyncEngineClient, EngineClient
 from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.engine_group import EngineGroup
 from pagedserve.pipeline.messages import AddRequest, DeltaBatch, RequestFailed, RequestRejected
-from pagedserve.pipeline.outputs import RequestError, RequestOutput
+from pagedserve.pipeline.outputs import (EmbeddingOutput, EmbeddingRequestOutput,
+                                          RequestError, RequestOutput)
+from pagedserve.pipeline.pooling import PoolingParams, from_bytes, truncate
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 class LLM:
@@ -55,6 +57,18 @@ class LLM:
         if self._core is not None:
             return self._core.generate(list(zip(prompts, params)))
         futures = [self._client.submit(p, sp) for p, sp in zip(prompts, params)]
+        return [f.result() for f in futures]
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+              pooling: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's pooled vector (`.outputs.embedding`), in input
+        order; the prompts are batched by the scheduler like any others."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        pooling = pooling or PoolingParams()
+        if self._core is not None:
+            return self._core.embed(list(prompts), pooling)
+        futures = [self._client.submit_embed(p, pooling) for p in prompts]
         return [f.result() for f in futures]
 
     def chat(self, messages_list: Sequence[Sequence[dict]], params: SamplingParams | None = None
@@ -117,6 +131,37 @@ class _InProcessEngine:
             raise
         return list(outputs.values())
 
+    def embed(self, prompts: list, pooling: PoolingParams) -> list[EmbeddingRequestOutput]:
+        vectors: dict[str, bytes | None] = {}
+        ids_of: dict[str, list[int]] = {}
+        try:
+            for prompt in prompts:
+                rid = uuid.uuid4().hex
+                ids_of[rid] = (list(self.tokenizer.encode(prompt)) if isinstance(prompt, str)
+                               else [int(t) for t in prompt])
+                vectors[rid] = None
+                self._take_vectors(self.core.submit(AddRequest(
+                    request_id=rid, prompt_token_ids=ids_of[rid],
+                    sampling=SamplingParams(max_tokens=None), arrival_time=time.time(),
+                    pooling=pooling)), vectors)
+            while any(v is None for v in vectors.values()):
+                self._take_vectors(self.core.step(), vectors)
+        except BaseException:
+            self.core.abort(*(rid for rid, v in vectors.items() if v is None))
+            raise
+        return [EmbeddingRequestOutput(rid, ids_of[rid], EmbeddingOutput(
+            truncate(from_bytes(v), pooling.dimensions).tolist())) for rid, v in vectors.items()]
+
+    @staticmethod
+    def _take_vectors(msgs: list, vectors: dict[str, bytes | None]) -> None:
+        for msg in msgs:
+            if isinstance(msg, DeltaBatch):
+                for delta in msg.deltas:
+                    if delta.embedding is not None:
+                        vectors[delta.request_id] = delta.embedding
+            elif isinstance(msg, (RequestRejected, RequestFailed)):
+                raise RequestError(msg.status, msg.message, msg.request_id)
+
     @staticmethod
     def _receive(msgs: list, outputs: dict[str, RequestOutput]) -> None:
         for msg in msgs:
@@ -165,6 +210,11 @@ class AsyncLLM:
         async for delta in self._client.generate(ids, params, request_id=out.request_id, **kwargs):
             out.apply(delta)
             yield out
+
+    async def embed(self, prompt: str | Sequence[int], pooling: PoolingParams | None = None
+                    ) -> EmbeddingRequestOutput:
+        """One prompt's pooled vector (`.outputs.embedding`), batched with everything in flight."""
+        return await self._client.embed(prompt, pooling)
 
     async def abort(self, request_id: str) -> None:
         await self._client.abort(request_id)

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 __all__ = ["PromptLogprobs", "NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "StepPlan", "StepResult", "AddRequest",
@@ -57,6 +58,9 @@ class NewSeq(msgspec.Struct, gc=False):
     block_ids: list[int]
     num_computed_tokens: int
     table_row: int = -1  # its row in StepPlan.shared_tables, stable until it is freed; -1: none
+    # An embedding request's sequence: prefill-only, pooled (not sampled) when it reaches the
+    # end of its prompt (pipeline/pooling.py).
+    pool: bool = False
 
 
 class ScheduledSeq(msgspec.Struct, gc=False, omit_defaults=True):
@@ -163,6 +167,10 @@ class StepResult(msgspec.Struct, gc=False, omit_defaults=True):
     # PAGEDSERVE_STEP_TRACE only: rank 0's clock readings (time.monotonic(): "received" the
     # plan, "sent" the result) and milliseconds (forward, sample, matmul, attention).
     timings: dict[str, float] = {}
+    # Pooling sequences that completed their prompt this step (no row above), and each one's
+    # vector as little-endian float32 bytes (pipeline/pooling.py).
+    pooled_seq_ids: list[int] = []
+    pooled: list[bytes] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +190,8 @@ class AddRequest(msgspec.Struct, kw_only=True):
     # Sent again by a client that could not tell whether this scheduler has it (its socket
     # reconnected to a restarted one): a scheduler that holds it from this client ignores it.
     resubmitted: bool = False
+    # An embedding request: prefill-only, answered with its pooled vector (no tokens).
+    pooling: PoolingParams | None = None
 
 
 class Abort(msgspec.Struct):
@@ -230,6 +240,7 @@ class SampleTokens(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
 
 
 class TokenBatch(msgspec.Struct):
@@ -270,6 +281,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this sample
     num_cached_tokens: int = 0
+    embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
 
 
 class DeltaBatch(msgspec.Struct):

@@ -82,3 +82,21 @@ class RequestOutput:
             entry = dict(top)
             entry.setdefault(self.prompt_token_ids[position], logprob)
             held.append(entry)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (normalized when the model's pooler says so)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

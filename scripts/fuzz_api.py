@@ -114,7 +114,8 @@ def _generation_cap(raw_schema: dict, gen_tokens: int):
         if not isinstance(body, dict):
             return body
         if all(body.get(k) is None for k in limits if k != "n"):
-            # /v1/responses (the only body with `input`) names it max_output_tokens
+            # /v1/responses names it max_output_tokens (/v1/embeddings, the other body
+            # with `input`, generates nothing and ignores it)
             body["max_output_tokens" if "input" in body else "max_tokens"] = gen_tokens
         for key, (most, top) in limits.items():
             value = body.get(key)

@@ -3,7 +3,7 @@
 # (scheduler, workers, detokenizer, HTTP ingress) serving on port 8000. Flags go to
 # `python -m pagedserve.pipeline.launch` and follow vLLM's names, e.g.:
 #   scripts/launch.sh --tensor-parallel-size 2 --max-num-seqs 128 --port 8001
-#   scripts/launch.sh --model Qwen2.5-Coder-0.5B-Instruct   (built-ins: workers/builtin_models.py)
+#   scripts/launch.sh --model Qwen2.5-Coder-0.5B-Instruct   (built-ins: workers/builtin_models.py, builtin_dirs.py)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"

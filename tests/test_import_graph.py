@@ -23,7 +23,7 @@ ROLES = ("pagedserve.pipeline", "pagedserve.workers", "pagedserve.kvmanager", "p
 CONTRACTS = ("pagedserve.pipeline.config", "pagedserve.pipeline.messages",
              "pagedserve.pipeline.sampling_params", "pagedserve.pipeline.outputs",
              "pagedserve.pipeline.speculative_config", "pagedserve.pipeline.load_error",
-             "pagedserve.pipeline.structured.spec")
+             "pagedserve.pipeline.structured.spec", "pagedserve.pipeline.pooling")
 # What a contract may load besides the ground and the other contracts: the packages around them.
 CONTRACT_PACKAGES = ("pagedserve.pipeline", "pagedserve.pipeline.structured")
 

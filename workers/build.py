@@ -93,9 +93,12 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
                          runner_blocks, rank, tp, cache_dtype,
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
                          else cfg.scheduling.max_num_seqs, quantization=quantization,
-                         cpu_replay=not cfg.parallel.enforce_eager)
+                         cpu_replay=not cfg.parallel.enforce_eager,
+                         pooler=cfg.model_info.pooler())
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
+    if model_config.is_encoder:
+        num_cpu_blocks = 0  # an encoder's input runs within one step: nothing is ever swapped
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
                       swap_shm_name=cfg.ipc.swap_segment(rank) if shared_swap else None)
     if cfg.env.step_trace and rank == 0:

@@ -16,6 +16,7 @@ from pagedserve import kernels
 from pagedserve.shm_tables import SharedBlockTables
 from pagedserve.pipeline.messages import (NewSeq, PromptLogprobs, SharedTables, StepPlan,
                                           StepResult)
+from pagedserve.pipeline.pooling import to_bytes
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.kv_cache import allocate_swap_pool
 from pagedserve.workers.model_runner import ModelRunner, SeqStep
@@ -39,10 +40,11 @@ class SeqState:
     block_ids: list[int]          # from the plans' diffs
     num_computed_tokens: int
     table_row: int = -1           # its row in the scheduler's shared block tables
+    pool: bool = False            # an embedding prompt: pooled, not sampled, at its end
 
     def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        list(self.block_ids), self.num_computed_tokens, table_row)
+                        list(self.block_ids), self.num_computed_tokens, table_row, self.pool)
 
 
 class WorkerCore:
@@ -94,9 +96,10 @@ class WorkerCore:
             self._register(new)
         self._move_blocks(plan)
 
-        items, sampled_ids = self._collect(plan)
+        items, sampled_ids, pooled_ids = self._collect(plan)
         started = time.perf_counter()
-        logits, prompt_rows = self.runner.execute_step(items)
+        step = self.runner.run(items)
+        logits = step.logits
         forward_done = time.perf_counter()
         seqs = self.seqs
         for seq_id in plan.decode_seq_ids:
@@ -123,8 +126,11 @@ class WorkerCore:
             result = self._verify(plan, logits, row_ids, rows, drafts)
         else:
             result = self._sample(plan, logits, row_ids, [rows[s] for s in row_ids])
-        if prompt_rows:
-            result.prompt_logprobs = _prompt_chunks(plan, items, prompt_rows)
+        if step.prompt:
+            result.prompt_logprobs = _prompt_chunks(plan, items, step.prompt)
+        if pooled_ids:
+            result.pooled_seq_ids = pooled_ids
+            result.pooled = [to_bytes(v) for v in step.pooled.cpu().numpy()]
         self._last_result = result
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
@@ -136,7 +142,7 @@ class WorkerCore:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row)
+            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row, new.pool)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         kv_cache = self.runner.kv_cache
@@ -147,8 +153,9 @@ class WorkerCore:
         if plan.copy:
             kernels.copy_blocks(kv_cache, _mapping(plan.copy, kv_cache.device))
 
-    def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
-        items, sampled_ids = [], []
+    def _collect(self, plan: StepPlan) -> tuple[list[SeqStep], list[int], list[int]]:
+        """The step's items, the sequences that sample (in row order) and those pooled."""
+        items, sampled_ids, pooled_ids = [], [], []
         shared = self.tables is not None
         if len(plan.decode_token_ids) != len(plan.decode_seq_ids):
             raise ValueError(f"plan {plan.step_id} has {len(plan.decode_seq_ids)} decode_seq_ids "
@@ -186,6 +193,10 @@ class WorkerCore:
                                  f"reach the end of its tokens")
             row = state.table_row if shared else -1
             computed = state.token_ids[start:end] + drafts if drafts else state.token_ids[start:end]
+            if sample and state.pool:  # an embedding prompt's end: pooled, nothing sampled
+                items.append(SeqStep(computed, start, state.block_ids, False, row, pool=True))
+                pooled_ids.append(scheduled.seq_id)
+                continue
             item = SeqStep(computed, start, state.block_ids, sample, row, len(drafts))
             if self.sampler is not None and state.sampling.prompt_logprobs is not None \
                     and start < state.num_prompt_tokens - 1:
@@ -196,7 +207,7 @@ class WorkerCore:
             items.append(item)
             if sample:
                 sampled_ids.append(scheduled.seq_id)
-        return items, sampled_ids
+        return items, sampled_ids, pooled_ids
 
     def _decode_tokens(self, plan: StepPlan) -> list[int]:
         """The decode columns' input tokens: the plan's, or for a plan made before the last

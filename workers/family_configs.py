@@ -144,5 +144,19 @@ def gemma3(cfg: dict) -> dict:
             "layer_rope_scalings": tuple(ropes[kind][1] for kind in types)}
 
 
+def bert(cfg: dict) -> dict:
+    """BERT: post-LayerNorm (its eps is `norm_eps`), exact GELU, absolute positions only."""
+    if cfg.get("hidden_act", "gelu") != "gelu":
+        raise ModelLoadError(f"config: unsupported hidden_act {cfg.get('hidden_act')!r} for "
+                             "model_type 'bert' (only gelu)")
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ModelLoadError(f"config: position_embedding_type {kind!r} is not supported for "
+                             "model_type 'bert' (only absolute)")
+    return {"norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+            "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+            "qkv_bias": True, "o_bias": True, "hidden_act": "gelu"}
+
+
 FAMILY_FIELDS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3,
-                 "gemma3": gemma3, "glm4": glm4}
+                 "gemma3": gemma3, "glm4": glm4, "bert": bert}

@@ -26,6 +26,7 @@ from pathlib import Path
 from pagedserve.pipeline.load_error import ModelLoadError
 from pagedserve.workers.checkpoint_files import read_json, weight_files
 from pagedserve.workers.config_cache import model_config_from_dict
+from pagedserve.workers.builtin_dirs import BUILTIN_DIRECTORIES, unpack_builtin_directory
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, TEST_MODEL, builtin_gguf  # noqa: F401
 from pagedserve.workers.gguf_files import check_gguf, convert_gguf, gguf_source
 # ModelConfig and the architecture table live in workers/model_config.py; re-exported here.
@@ -153,9 +154,15 @@ def resolve_model(name_or_path: str, cache_dir: str | Path | None = None) -> Pat
         return _converted_gguf(path.resolve(), cache)
     if str(name_or_path) in BUILTIN_MODELS:
         return _builtin_model(str(name_or_path), cache)
+    if str(name_or_path) in BUILTIN_DIRECTORIES:
+        name = str(name_or_path)
+        source = {"package": BUILTIN_DIRECTORIES[name].zipped.package,
+                  "sha256": BUILTIN_DIRECTORIES[name].zipped.sha256}
+        return _check_hf_dir(build_once(cache / "models" / name,
+                                        lambda out: unpack_builtin_directory(name, out), source))
     raise ModelLoadError(f"{path}: no such file or directory (expected a Hugging Face model "
                          f"directory, a .gguf file, or a built-in name: "
-                         f"{', '.join(BUILTIN_MODELS)})")
+                         f"{', '.join([*BUILTIN_MODELS, *BUILTIN_DIRECTORIES])})")
 
 
 def _check_hf_dir(model_dir: Path) -> Path:

@@ -15,14 +15,15 @@ from pagedserve.workers import family_configs
 
 # HF model_type -> our architecture name (workers/models/ holds one module per name).
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "gemma3_text": "gemma3", "gemma3": "gemma3", "glm4": "glm4"}
+                 "gemma3_text": "gemma3", "gemma3": "gemma3", "glm4": "glm4", "bert": "bert"}
 # HF class names (config.json "architectures") -> our architecture name, for configs without
 # a model_type.
 HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-              "Glm4ForCausalLM": "glm4"}
+              "Glm4ForCausalLM": "glm4", "BertModel": "bert"}
 SUPPORTED = tuple(sorted(set(ARCHITECTURES.values())))
+ENCODERS = frozenset({"bert"})  # bidirectional: embeddings only (workers/models/bert.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class ModelConfig:
     rope_interleaved: bool = False    # RoPE pairs dims (2i, 2i+1) (GLM) instead of (i, i + D/2)
     query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (else head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    type_vocab_size: int = 0          # BERT's token-type (segment) embeddings
     # Per layer (filled in __post_init__ when left empty): attention window (0: global; a query
     # at position p sees keys p - window < j <= p), and the RoPE base and scaling.
     layer_windows: tuple[int, ...] = ()
@@ -92,6 +94,11 @@ class ModelConfig:
         return windows.pop() if len(windows) == 1 else 0
 
     @property
+    def is_encoder(self) -> bool:
+        """Bidirectional attention over the whole input (BERT): serves embeddings only."""
+        return self.architecture in ENCODERS
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -120,7 +127,8 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rms_norm_eps=family.pop("norm_eps", None) or float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

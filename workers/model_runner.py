@@ -3,7 +3,7 @@ flat tensors (once per step, vectorised) and returns the logits of the rows that
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
@@ -17,12 +17,14 @@ from pagedserve.workers.cpu_decode_replay import CpuDecodeReplay
 from pagedserve.workers.cpu_decode_replay import unsupported_reason as replay_unsupported
 from pagedserve.workers.cuda_graphs import DecodeGraphs
 from pagedserve.workers.distributed import TPGroup
+from pagedserve.pipeline.pooling import PoolerConfig
 from pagedserve.workers.heap import trim_heap
-from pagedserve.workers.kv_cache import allocate_kv_cache
+from pagedserve.workers.kv_cache import allocate_kv_cache, kv_cache_shape
 from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantization
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
 from pagedserve.workers.prompt_logprobs import RowLogprobs, prompt_logprobs
+from pagedserve.workers.pooling import pool_hidden
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
 
@@ -43,6 +45,18 @@ class SeqStep:
     # and how many top logprobs each of those rows wants (workers/prompt_logprobs.py).
     prompt_targets: list[int] | None = None
     prompt_top: int = 0
+    pool: bool = False         # the last chunk of an embedding prompt: pool its hidden states
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step returns: the logits of the sampling items (in item order), the pooled
+    vectors of the pooling items (fp32 [num pooling items, hidden], in item order) and the
+    prompt logprobs of the items that asked (by item index)."""
+
+    logits: torch.Tensor
+    pooled: torch.Tensor | None = None
+    prompt: dict[int, RowLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -66,6 +80,7 @@ class _StepArrays:
     sample_rows: np.ndarray   # rows whose logits are returned, in item order
     seq_of_row: np.ndarray    # [T] int64: the reordered sequence of each row
     first_rows: np.ndarray    # [n] int64: each item's first row, in item order
+    pool_spans: np.ndarray    # [k, 2] int64 (first row, end row) of each pooling item, in order
 
 
 class ModelRunner:
@@ -77,7 +92,8 @@ class ModelRunner:
                  device: torch.device | str, block_size: int, num_blocks: int,
                  tp_rank: int = 0, tp_size: int = 1,
                  kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256,
-                 quantization: str = "none", cpu_replay: bool = True) -> None:
+                 quantization: str = "none", cpu_replay: bool = True,
+                 pooler: PoolerConfig | None = None) -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
         `quantization`: auto (a quantized checkpoint's format kept as stored, else none), none
@@ -88,8 +104,11 @@ class ModelRunner:
         `cpu_replay`: on CPU, steps of up to cpu_decode_replay.MAX_ROWS tokens (decodes, drafts,
         short prefill chunks) replay their native kernel calls (workers/cpu_decode_replay.py)
         where the model allows and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager
-        (--enforce-eager)."""
+        (--enforce-eager).
+        `pooler`: how embedding requests pool (pipeline/pooling.py); None: the default for the
+        model's kind (LAST for a decoder, CLS for an encoder, normalized)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.pooler = pooler or PoolerConfig("CLS" if config.is_encoder else "LAST")
         self.kv_cache_dtype = kv_cache_dtype or dtype
         check_storage("--kv-cache-dtype", dtype, self.kv_cache_dtype)  # fail at start, not step 1
         quantization = "none" if model_dir is None and quantization == "auto" else \
@@ -116,11 +135,17 @@ class ModelRunner:
             if freed:
                 trim_heap()
                 log.info("packed linears: freed %.1f MiB of plain weights", freed / 2**20)
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.kv_cache_dtype,
-                                          self.device, tp_size, tp_rank)
+        if config.is_encoder:  # its attention reads no cache: blocks only count admissions
+            self.kv_cache = torch.empty(kv_cache_shape(config, num_blocks, block_size, tp_size,
+                                                       tp_rank), dtype=self.kv_cache_dtype,
+                                        device="meta")
+        else:
+            self.kv_cache = allocate_kv_cache(config, num_blocks, block_size,
+                                              self.kv_cache_dtype, self.device, tp_size, tp_rank)
         self.decode_graphs: DecodeGraphs | None = None
         max_blocks = -(-config.max_position_embeddings // block_size)   # a table row's width
-        if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0:
+        if self.device.type == "cuda" and tp_size == 1 and cuda_graph_batch > 0 \
+                and not config.is_encoder:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cuda_graph_batch,
                                               max_blocks)
         self.cpu_replay: CpuDecodeReplay | None = None
@@ -141,44 +166,62 @@ class ModelRunner:
 
     def execute(self, items: list[SeqStep]) -> torch.Tensor:
         """Compute every item's tokens; fp32 logits [num sampling items, vocab] in item order."""
-        return self.execute_step(items)[0]
+        return self.run(items).logits
 
     @torch.inference_mode()
-    def execute_step(self, items: list[SeqStep]) -> tuple[torch.Tensor, dict[int, RowLogprobs]]:
-        """`execute`, and the prompt logprobs of the items with prompt_targets, by item index
-        (computed from the hidden rows before the sampling rows' logits: compute_logits
-        reuses its buffer)."""
-        prompt: dict[int, RowLogprobs] = {}
+    def run(self, items: list[SeqStep]) -> StepOutput:
+        """Compute every item's tokens: the sampling items' logits and the pooling items'
+        vectors (workers/pooling.py), both in item order, and the prompt logprobs of the items
+        with prompt_targets (workers/prompt_logprobs.py; computed from the hidden rows before
+        the sampling rows' logits: compute_logits reuses its buffer)."""
         if not items:
-            return torch.empty(0, self.config.vocab_size, device=self.device), prompt
+            return StepOutput(torch.empty(0, self.config.vocab_size, device=self.device))
         arrays = self._flatten(items)
+        pooling = len(arrays.pool_spans) > 0
         wanted = [i for i, it in enumerate(items) if it.prompt_targets]
         graphs = self.decode_graphs
-        if graphs is not None and not wanted and arrays.num_decode == len(items) \
+        if graphs is not None and not wanted and not pooling \
+                and arrays.num_decode == len(items) \
                 and graphs.fits(len(items), arrays.tables.shape[1]):
             logits = graphs.run(arrays.tokens, arrays.positions, arrays.slots, arrays.tables,
                                 arrays.context_lens)
-            if len(arrays.sample_rows) == len(items):
-                return logits, prompt
-            return logits[self._to_device(arrays.sample_rows)], prompt
-        hidden, sample_rows = self._hidden(items, arrays)
+            if len(arrays.sample_rows) < len(items):
+                logits = logits[self._to_device(arrays.sample_rows)]
+            return StepOutput(logits)
+        if pooling:
+            self._check_whole_prompts(items)
+        # pooling reads every row's hidden state as the eager forward gives it
+        hidden, sample_rows = self._hidden(items, arrays, eager=pooling)
+        out = StepOutput(torch.empty(0, self.config.vocab_size, device=self.device))
+        if pooling:
+            out.pooled = pool_hidden(hidden, arrays.pool_spans, self.pooler)
         if wanted:
-            prompt.update(zip(wanted, prompt_logprobs(
+            out.prompt = dict(zip(wanted, prompt_logprobs(
                 self.model.compute_logits, hidden,
                 [(int(arrays.first_rows[i]), items[i].prompt_targets, items[i].prompt_top)
                  for i in wanted])))
-        if len(arrays.sample_rows) == 0:
-            return torch.empty(0, self.config.vocab_size, device=self.device), prompt
-        if sample_rows is not None:
-            hidden = hidden[sample_rows]
-        return self.model.compute_logits(hidden), prompt
+        if len(arrays.sample_rows):
+            out.logits = self.model.compute_logits(
+                hidden if sample_rows is None else hidden[sample_rows])
+        return out
 
-    def _hidden(self, items: list[SeqStep], arrays: _StepArrays
+    def _check_whole_prompts(self, items: list[SeqStep]) -> None:
+        """MEAN and CLS pooling (and an encoder) read every prompt row in one step."""
+        pooler = self.pooler
+        if pooler.whole_prompt:
+            partial = [i for i, it in enumerate(items) if it.pool and it.start_pos]
+            if partial:
+                raise ValueError(f"item {partial[0]}: {pooler.pooling_type} pooling needs the "
+                                 f"whole prompt in one step, but it starts at position "
+                                 f"{items[partial[0]].start_pos}")
+
+    def _hidden(self, items: list[SeqStep], arrays: _StepArrays, eager: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward: the hidden states of every row, and the rows that sample
-        (None: all of them, in item order)."""
+        (None: all of them, in item order). `eager`: never the CPU replay."""
         replay = self.cpu_replay
-        if replay is not None and replay.fits(len(arrays.tokens), arrays.tables.shape[1]):
+        if not eager and replay is not None \
+                and replay.fits(len(arrays.tokens), arrays.tables.shape[1]):
             tables = arrays.tables if arrays.num_decode == len(items) \
                 else arrays.tables[arrays.seq_of_row]            # each row's sequence's table
             hidden = replay.run(arrays.tokens, arrays.positions, arrays.slots, tables)
@@ -231,8 +274,10 @@ class ModelRunner:
         if any(it.num_drafts for it in items):  # speculation: the drafts' rows too, in order
             counts = np.fromiter((it.num_drafts + 1 for it in items), np.int64, n)[sample_mask]
             sample_rows = np.repeat(sample_rows - counts + 1, counts) + _ramps(counts)
+        pool_mask = np.fromiter((it.pool for it in items), bool, n)
+        pool_spans = np.stack([cu[inverse], cu[inverse + 1]], axis=1)[pool_mask]
         return _StepArrays(tokens, positions, slots, tables_o, context_lens, cu, num_decode,
-                           sample_rows, seq_of_row, cu[inverse])
+                           sample_rows, seq_of_row, cu[inverse], pool_spans)
 
     def _tensors(self, a: _StepArrays) -> StepTensors:
         to, d = self._to_device, a.num_decode

@@ -150,7 +150,7 @@ class DetokenizerService:
             logprobs=_window(s.logprobs, skip, n), top_logprobs=_window(s.top_logprobs, skip, n),
             finish_reason=finish_reason, stop_reason=stop_reason,
             num_prompt_tokens=owner.num_prompt_tokens, num_output_tokens=sample.tokens + n,
-            num_cached_tokens=s.num_cached_tokens)
+            num_cached_tokens=s.num_cached_tokens, embedding=s.embedding)
         sample.tokens += n
         sample.chars += len(d.text)
         if finish_reason is not None:

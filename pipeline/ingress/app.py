@@ -17,6 +17,8 @@ from pagedserve.pipeline.ingress.capabilities import model_capabilities
 from pagedserve.pipeline.ingress.chat import create_chat_completion
 from pagedserve.pipeline.ingress.completions import create_completion
 from pagedserve.pipeline.ingress.context import IngressContext
+from pagedserve.pipeline.ingress.embeddings import MODELS as EMBEDDING_MODELS
+from pagedserve.pipeline.ingress.embeddings import add_embeddings_route
 from pagedserve.pipeline.ingress.errors import APIError, error_body
 from pagedserve.pipeline.ingress.infill import InfillRequest, InfillResponse, add_infill_route
 from pagedserve.pipeline.ingress.limits import HeaderLimits
@@ -61,7 +63,7 @@ def build_app(ctx: IngressContext,
     app.add_middleware(HeaderLimits)  # outermost: bounds the headers before anything reads them
     install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None,
                     request_models=(*TOKENIZE_MODELS, InfillRequest, InfillResponse,
-                                    *MESSAGES_MODELS, *RESPONSES_MODELS))
+                                    *MESSAGES_MODELS, *RESPONSES_MODELS, *EMBEDDING_MODELS))
     v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 
     async def check_api_key(request: Request) -> None:
@@ -89,7 +91,10 @@ def build_app(ctx: IngressContext,
         """Chat completion: the messages through the model's chat template."""
         return await create_chat_completion(ctx, request)
 
-    capabilities = model_capabilities(ctx.tokenizer, ctx.tool_call_parser, ctx.reasoning_parser)
+    add_embeddings_route(v1, ctx, errors=v1_errors)
+
+    capabilities = model_capabilities(ctx.tokenizer, ctx.tool_call_parser, ctx.reasoning_parser,
+                                      encoder=ctx.is_encoder)
 
     @v1.get("/models", response_model=None, responses={200: {"model": ModelList}, **v1_errors})
     async def models() -> dict:
@@ -135,7 +140,8 @@ def openapi_limits(ctx: IngressContext) -> dict[str, tuple[str, int]]:
     """The served model's limits, as the schema keyword that documents each."""
     return {"token_id": ("maximum", ctx.vocab_size - 1), "n": ("maximum", ctx.max_n),
             "max_tokens": ("maximum", ctx.max_model_len - 1),
-            "prompts": ("maxItems", ctx.admission.max_queued_requests)}
+            "prompts": ("maxItems", ctx.admission.max_queued_requests),
+            "dimensions": ("maximum", max(ctx.hidden_size, 1))}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

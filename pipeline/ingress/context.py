@@ -36,6 +36,8 @@ class IngressContext:
     max_n: int = MAX_N
     tool_call_parser: str | None = None   # --tool-call-parser
     reasoning_parser: str | None = None   # --reasoning-parser
+    hidden_size: int = 0                  # an embedding's length (`dimensions` <= it)
+    is_encoder: bool = False              # embeddings only (BERT)
     clock: Callable[[], float] = time.monotonic
     guard: RequestGuard = field(default_factory=RequestGuard)  # quarantine (request_guard.py)
     metrics: IngressMetrics = field(init=False)
@@ -61,7 +63,8 @@ class IngressContext:
                    max_n=min(MAX_N, cfg.scheduling.max_num_seqs),
                    tool_call_parser=resolve_tool_parser(
                        cfg.server.tool_call_parser, getattr(tokenizer, "chat_template", None)),
-                   reasoning_parser=cfg.server.reasoning_parser)
+                   reasoning_parser=cfg.server.reasoning_parser,
+                   hidden_size=cfg.model_info.hidden_size, is_encoder=cfg.model_info.is_encoder)
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,7 @@ from pagedserve.pipeline.ingress.context import IngressContext, Ticket
 from pagedserve.pipeline.ingress.errors import APIError, from_engine_error
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse, with_error_event
 from pagedserve.pipeline.outputs import CompletionOutput, RequestError, RequestOutput
+from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -29,6 +30,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling: PoolingParams | None = None  # an embedding request (ingress/embeddings.py)
 
 
 async def collect_output(request: EngineRequest, stream: AsyncIterator, n: int = 1
@@ -48,8 +50,9 @@ def new_request_id(prefix: str) -> str:
 async def _timed(ctx: IngressContext, req: EngineRequest, arrival: float, priority: int,
                  cache_salt: str | None) -> AsyncIterator[Any]:
     timer = ctx.metrics.timer(arrival)
+    extra = {} if req.pooling is None else {"pooling": req.pooling}
     stream = ctx.engine.generate(req.prompt_token_ids, req.params, request_id=req.request_id,
-                                 priority=priority, cache_salt=cache_salt)
+                                 priority=priority, cache_salt=cache_salt, **extra)
     timer.submitted(ctx.clock())
     accepted = False
     try:

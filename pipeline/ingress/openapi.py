@@ -146,7 +146,7 @@ class ModelCard(BaseModel):
     parent: None
     max_model_len: int
     capabilities: list[Literal["completion", "chat", "tools", "insert", "thinking",
-                               "json_schema"]]
+                               "json_schema", "embedding"]]
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedserve.pipeline.messages import PromptLogprobs, TextDelta
 from pagedserve.pipeline.outputs import RequestError
+from pagedserve.pipeline.pooling import PoolingParams, to_bytes
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 CHATML_TEMPLATE = (
@@ -56,6 +57,18 @@ class Submitted:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    pooling: PoolingParams | None = None
+
+
+FAKE_HIDDEN_SIZE = 8
+
+
+def fake_embedding(prompt_ids: list[int]) -> list[float]:
+    """The fake engine's vector of a prompt: unit length, FAKE_HIDDEN_SIZE long."""
+    import numpy as np
+    raw = np.array([(sum(prompt_ids) * (k + 1)) % 17 + 1 for k in range(FAKE_HIDDEN_SIZE)],
+                   dtype=np.float32)
+    return (raw / np.linalg.norm(raw)).astype(np.float32).tolist()
 
 
 TOY_ALPHABET = "abcdefghij "
@@ -90,13 +103,22 @@ class FakeEngine:
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[TextDelta]:
+                       cache_salt: str | None = None, pooling: PoolingParams | None = None
+                       ) -> AsyncIterator[TextDelta]:
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or uuid.uuid4().hex
-        self.submitted.append(Submitted(request_id, list(prompt), params, priority, cache_salt))
+        self.submitted.append(Submitted(request_id, list(prompt), params, priority, cache_salt,
+                                        pooling))
         if self.reject is not None:
             raise self.reject
+        if pooling is not None:  # an embedding request: one finished delta with the vector
+            await asyncio.sleep(self.step_delay)
+            self.finished.append(request_id)
+            yield TextDelta(request_id=request_id, index=0, text="", token_ids=[],
+                            finish_reason="stop", num_prompt_tokens=len(prompt),
+                            embedding=to_bytes(fake_embedding(list(prompt))))
+            return
         self.running.add(request_id)
         open_samples = set(range(params.n))
         texts = [""] * params.n
@@ -184,7 +206,8 @@ def make_test_context(tokenizer=None, *, max_model_len: int = 64, max_queued_req
     ctx = IngressContext(engine=engine, tokenizer=tokenizer, served_model_names=["tiny"],
                          max_model_len=max_model_len, vocab_size=len(tokenizer),
                          admission=AdmissionController(max_queued_requests, max_num_seqs),
-                         api_key=api_key, max_request_bytes=max_request_bytes)
+                         api_key=api_key, max_request_bytes=max_request_bytes,
+                         hidden_size=FAKE_HIDDEN_SIZE)
     return ctx, engine
 
 

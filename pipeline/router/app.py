@@ -126,6 +126,10 @@ def build_router_app(service: RouterService, api_keys: list[str],
     async def responses(request: Request) -> Response:
         return await _generate(service, keys, "responses", request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _generate(service, keys, "embeddings", request)
+
     # vLLM's /tokenize and /detokenize, llama.cpp's /infill: the same keys and limits
     for path, kind in (("/tokenize", "tokenize"), ("/detokenize", "detokenize"),
                        ("/infill", "infill")):

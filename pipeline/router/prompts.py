@@ -16,8 +16,14 @@ def _content(message: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-# Routes that generate nothing: /tokenize and /detokenize (vLLM's), charged their input only.
-NON_GENERATING = frozenset({"tokenize", "detokenize"})
+# Routes that generate nothing, charged their input only: /tokenize and /detokenize (vLLM's),
+# /v1/embeddings.
+NON_GENERATING = frozenset({"tokenize", "detokenize", "embeddings"})
+
+
+def _as_prompt(kind: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """/v1/embeddings' `input` has the shapes of a completion's `prompt`: read it as one."""
+    return ("completion", {"prompt": body.get("input")}) if kind == "embeddings" else (kind, body)
 
 
 def _is_chat(kind: str, body: dict[str, Any]) -> bool:
@@ -54,6 +60,7 @@ def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
     """The part of the prompt a conversation keeps from turn to turn: for chat, the messages up
     to and including the first user message (later turns only append); for a completion, the
     prompt (its first one for a batch); for /infill, the context before the gap."""
+    kind, body = _as_prompt(kind, body)
     if kind == "responses":
         kind, body = "chat", _responses_as_chat(body)
     if kind == "infill":
@@ -80,6 +87,7 @@ def affinity_prompt(kind: str, body: dict[str, Any]) -> str | list[int]:
 
 def estimate_prompt_tokens(kind: str, body: dict[str, Any]) -> int:
     """The prompt's tokens, from its length (token ids: their count)."""
+    kind, body = _as_prompt(kind, body)
     if kind == "responses":
         kind, body = "chat", _responses_as_chat(body)
     if kind == "infill":

@@ -31,7 +31,8 @@ log = logging.getLogger("pagedserve.router")
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
          "messages": "/v1/messages", "responses": "/v1/responses",
-         "tokenize": "/tokenize", "detokenize": "/detokenize", "infill": "/infill"}
+         "tokenize": "/tokenize", "detokenize": "/detokenize", "infill": "/infill",
+         "embeddings": "/v1/embeddings"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,21 +55,18 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     if sampling.n > config.max_num_seqs:
         raise RequestRejected(rid, f"n={sampling.n} samples can never run together: "
                                    f"max_num_seqs is {config.max_num_seqs}")
-    num_prompt, max_len = len(prompt), config.max_model_len
-    if sampling.max_tokens is None:
-        if num_prompt >= max_len:
-            raise RequestRejected(rid, f"prompt has {num_prompt} tokens but max_model_len is "
-                                       f"{max_len}, leaving no room to generate")
-        max_output = max_len - num_prompt
+    num_prompt = len(prompt)
+    if request.pooling is not None:
+        max_output = _pooling_limits(rid, num_prompt, outputs, sampling.n, config)
+    elif config.encoder_only:
+        raise RequestRejected(rid, "this model is an encoder: it serves embeddings "
+                                   "(/v1/embeddings), not generation")
     else:
-        max_output = sampling.max_tokens
-        if num_prompt + max_output > max_len:
-            raise RequestRejected(
-                rid, f"prompt has {num_prompt} tokens and max_tokens is {max_output}, together "
-                     f"{num_prompt + max_output}, but max_model_len is {max_len}")
-    if len(outputs) >= max_output:
-        raise RequestRejected(rid, f"{len(outputs)} tokens already generated, max_tokens is "
-                                   f"{max_output}: nothing left to generate")
+        max_output = _generation_limits(rid, num_prompt, sampling.max_tokens,
+                                        config.max_model_len)
+        if len(outputs) >= max_output:
+            raise RequestRejected(rid, f"{len(outputs)} tokens already generated, max_tokens "
+                                       f"is {max_output}: nothing left to generate")
     # A sequence must be able to run alone: all its tokens in the pool minus the admission
     # watermark (n > 1 samples share the prompt and can take turns through preemption); under
     # a sliding window, only its window and one step's chunk.
@@ -93,7 +90,38 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     if not sampling.ignore_eos:
         stop_ids |= eos_token_ids
     return RequestState(rid, sampling, request.arrival_time, request.priority, request.cache_salt,
-                        num_prompt, max_output, _shared(frozenset(stop_ids)))
+                        num_prompt, max_output, _shared(frozenset(stop_ids)), request.pooling)
+
+
+def _generation_limits(rid: str, num_prompt: int, max_tokens: int | None, max_len: int) -> int:
+    """The request's max_output_tokens: max_tokens, or what the context leaves."""
+    if max_tokens is None:
+        if num_prompt >= max_len:
+            raise RequestRejected(rid, f"prompt has {num_prompt} tokens but max_model_len is "
+                                       f"{max_len}, leaving no room to generate")
+        return max_len - num_prompt
+    if num_prompt + max_tokens > max_len:
+        raise RequestRejected(
+            rid, f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}, together "
+                 f"{num_prompt + max_tokens}, but max_model_len is {max_len}")
+    return max_tokens
+
+
+def _pooling_limits(rid: str, num_prompt: int, outputs: list[int], n: int,
+                    config: SchedulerConfig) -> int:
+    """An embedding request generates nothing (max_output_tokens 0); its prompt must fit the
+    context and, when the pooling reads every token at once, one step's token budget."""
+    if outputs or n != 1:
+        raise RequestRejected(rid, "an embedding request has one sample and no output tokens")
+    if num_prompt > config.max_model_len:
+        raise RequestRejected(rid, f"input has {num_prompt} tokens but max_model_len is "
+                                   f"{config.max_model_len}")
+    if config.pooling_whole_prompt and num_prompt > config.max_num_batched_tokens:
+        raise RequestRejected(rid, f"input has {num_prompt} tokens but this model pools the "
+                                   f"whole input in one step, of at most "
+                                   f"{config.max_num_batched_tokens} tokens "
+                                   f"(--max-num-batched-tokens)")
+    return 0
 
 
 _stop_sets: dict[frozenset[int], frozenset[int]] = {}

@@ -75,7 +75,7 @@ class RequestLifecycle:
                               eos_token_ids=self.eos_token_ids,
                               num_queued=self.num_queued_requests)
         seq = self._new_seq(state, 0, list(request.prompt_token_ids) + list(request.output_token_ids))
-        if self.proposer is not None:
+        if self.proposer is not None and state.pooling is None:  # pooling decodes nothing
             p = state.sampling
             state.speculates = not (p.uses_penalties or p.logprobs is not None
                                     or p.structured_outputs is not None)
@@ -183,17 +183,20 @@ class RequestLifecycle:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
         self._inflight = None
-        outputs, pending = advance(b, result, self.kv, block_size=self.block_size,
-                                   caching=self.config.enable_prefix_caching,
-                                   stop_id_union=self.stop_id_union)
+        outputs, pending, pooled = advance(b, result, self.kv, block_size=self.block_size,
+                                           caching=self.config.enable_prefix_caching,
+                                           stop_id_union=self.stop_id_union)
         if result.prompt_logprobs:  # before the stop rules finish (and forget) sequences
             outputs.prompt_logprobs = self._new_prompt_logprobs(result)
+        if pooled:  # finished in sequence order, as the stop rules below
+            pooled.sort(key=_seq_id)
+            outputs.others.extend(self._finish_pooled(pooled, result))
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
             # go back to the pool in the same order either way.
             pending.sort(key=_seq_id_of_sampled)
-            outputs.others = [self._finish_sampled(seq, token, row, result)
-                              for seq, token, row in pending]
+            outputs.others.extend(self._finish_sampled(seq, token, row, result)
+                                  for seq, token, row in pending)
         self.generation_tokens += len(outputs.seqs) + sum(len(o.new_token_ids)
                                                           for o in outputs.others)
         if b.verified:
@@ -245,6 +248,22 @@ class RequestLifecycle:
         tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
         return SequenceOutput(req.request_id, seq.index, new, FINISH_REASONS.get(status),
                               request_finished, lp, tlp, first - seq.num_prompt_tokens)
+
+    def _finish_pooled(self, seqs: list[Sequence], result: StepResult) -> list[SequenceOutput]:
+        """Embedding requests whose prompt the step completed: each finishes with the vector
+        the workers pooled for it (its blocks go back to the pool, its full ones findable)."""
+        vectors = dict(zip(result.pooled_seq_ids, result.pooled))
+        outputs = []
+        for seq in seqs:
+            vector = vectors.get(seq.seq_id)
+            if vector is None:
+                raise ValueError(f"StepResult for step {result.step_id} has no pooled vector "
+                                 f"for sequence {seq.seq_id}, which completed its prompt")
+            seq.pooled(vector)
+            done = self._finish(seq, FINISHED_STOPPED)
+            outputs.append(SequenceOutput(seq.request.request_id, seq.index, [], "stop", done,
+                                          embedding=vector))
+        return outputs
 
     def _count_verified(self, verified: list[tuple[int, int]]) -> None:
         per_pos = self.spec_accepted_per_pos
@@ -302,7 +321,8 @@ class RequestLifecycle:
     @staticmethod
     def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:
         """A sequence of `req` sampled in step `b` (it caught up: not still recomputing)."""
-        return any(seq.last_step == b.step_id and len(seq.token_ids) == seq.num_computed_tokens + 1
+        return any(seq.last_step == b.step_id and (len(seq.token_ids) == seq.num_computed_tokens + 1
+                                                   or seq.embedding is not None)
                    for seq in req.seqs)
 
     def _room_for(self, num_seqs: int) -> bool:
@@ -383,3 +403,7 @@ class RequestLifecycle:
 
 def _seq_id_of_sampled(item: tuple[Sequence, int, int]) -> int:
     return item[0].seq_id
+
+
+def _seq_id(seq: Sequence) -> int:
+    return seq.seq_id

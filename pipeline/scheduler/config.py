@@ -42,6 +42,11 @@ class SchedulerConfig:
     sliding_window: int = 0
     # N-gram speculative decoding (scheduler/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # Embeddings (pipeline/pooling.py): the model's pooling reads every prompt token's hidden
+    # state (MEAN, CLS, or an encoder's bidirectional attention), so a pooling prompt is
+    # computed in one step and never from cached blocks; an encoder serves pooling only.
+    pooling_whole_prompt: bool = False
+    encoder_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -85,4 +90,7 @@ class SchedulerConfig:
                    policy=s.scheduling_policy, vocab_size=cfg.model_info.vocab_size or None,
                    report_finished=True, sliding_window=cfg.model_info.sliding_window,
                    generation_defaults=dict(cfg.model_info.generation_defaults),
-                   speculative=SpeculativeConfig.parse(s.speculative_config))
+                   speculative=SpeculativeConfig.parse(s.speculative_config),
+                   pooling_whole_prompt=cfg.model_info.pooler().whole_prompt
+                   or cfg.model_info.is_encoder,
+                   encoder_only=cfg.model_info.is_encoder)

@@ -31,23 +31,25 @@ Sampled = tuple[Sequence, int, int]
 
 
 def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching: bool,
-            stop_id_union: set[int]) -> tuple[StepOutputs, list[Sampled]]:
-    """The plain outputs as columns, and the samples the scheduler must finish or pass on.
-    `stop_id_union` holds every stop id of every request: a step of lanes none of whose
-    tokens is in it stops nothing."""
+            stop_id_union: set[int]) -> tuple[StepOutputs, list[Sampled], list[Sequence]]:
+    """The plain outputs as columns, the samples the scheduler must finish or pass on, and the
+    pooling sequences whose prompt this step completed (no token: the scheduler finishes them
+    with their vector). `stop_id_union` holds every stop id of every request: a step of lanes
+    none of whose tokens is in it stops nothing."""
     rows = ResultRows(result)
     lanes = b.lanes
     out = StepOutputs([], [], [])
     pending: list[Sampled] = []
+    pooled: list[Sequence] = []
     fills: list[tuple[int, list[int], int, int]] = []  # (seq_id, tokens, slots held, computed)
     plain = result.logprobs is None and result.top_logprobs is None
     if plain and not b.num_finished and result.seq_ids[:len(lanes)] == b.lane_ids:
         _advance_lanes(b, result.token_ids, out, pending, fills if caching else None,
                        stop_id_union)
     else:  # logprobs to pass on, rows out of order, or lanes finished meanwhile
-        _advance_each(lanes, rows, 0, True, plain, out, pending, block_size,
+        _advance_each(lanes, rows, 0, True, plain, out, pending, pooled, block_size,
                       fills if caching else None, b.verified)
-    _advance_each(b.seqs, rows, len(lanes), False, plain, out, pending, block_size,
+    _advance_each(b.seqs, rows, len(lanes), False, plain, out, pending, pooled, block_size,
                   fills if caching else None, b.verified)
     for seq in b.fork_children:
         if seq.status is RUNNING:
@@ -58,7 +60,7 @@ def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching:
     if fills:
         fills.sort(key=_FIRST)
         kv.commit_blocks(fills)
-    return out, pending
+    return out, pending, pooled
 
 
 def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
@@ -92,8 +94,8 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
 
 
 def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: bool,
-                  plain: bool, out: StepOutputs, pending: list[Sampled], block_size: int,
-                  fills: list | None, verified: list[tuple[int, int]]) -> None:
+                  plain: bool, out: StepOutputs, pending: list[Sampled], pooled: list[Sequence],
+                  block_size: int, fills: list | None, verified: list[tuple[int, int]]) -> None:
     """Planned sequences in plan order, from result row `cursor` on. `counted`: the lanes,
     whose one token was counted as computed when they were planned. A sequence that had
     drafts gains those rank 0 accepted before its sampled token (spec_skip of them), always
@@ -133,6 +135,9 @@ def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: 
             fills.append((seq.seq_id, tokens, held, new))
         if new != len(tokens):
             continue  # mid-prefill or catching up after a recompute: nothing sampled
+        if seq.request.pooling is not None:
+            pooled.append(seq)  # an embedding request: its prompt is done, nothing sampled
+            continue
         if seq_ids[cursor] != seq.seq_id:
             cursor = rows.find(seq.seq_id)
         token = token_ids[cursor]

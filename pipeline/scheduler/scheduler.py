@@ -361,16 +361,22 @@ class Scheduler(RequestLifecycle):
         else whether the chunk completes its tokens."""
         kv, req, tokens = self.kv, seq.request, seq.token_ids
         total = len(tokens)
-        reads_cache = self.config.enable_prefix_caching and not req.wants_prompt_logprobs
+        # A pooling that reads every prompt token's hidden state computes them all in one step
+        # (pipeline/pooling.py): no cached prefix, no chunks. A request that still wants its
+        # prompt logprobs computes every position too (its blocks are cached all the same).
+        whole = req.pooling is not None and self.config.pooling_whole_prompt
+        reads_cache = (self.config.enable_prefix_caching and not whole
+                       and not req.wants_prompt_logprobs)
         cached = kv.lookup_prefix(tokens, req.cache_salt) if reads_cache else 0
         chunk = total - cached
         if chunk > b.budget:
-            if not self.config.enable_chunked_prefill:
+            if whole or not self.config.enable_chunked_prefill:
                 return None
             chunk = b.budget
         if not kv.can_allocate(chunk, num_cached_tokens=cached):
             return None  # the watermark keeps room for running sequences to grow
-        got = kv.allocate(seq.seq_id, tokens, chunk, req.cache_salt, read_cache=reads_cache)
+        got = kv.allocate(seq.seq_id, () if whole else tokens, chunk, req.cache_salt,
+                          read_cache=reads_cache)
         if got is None:
             return None
         seq.admitted(got, chunk)
@@ -396,7 +402,8 @@ class Scheduler(RequestLifecycle):
             npr = seq.num_prompt_tokens
             b.add_full(seq, NewSeq(sid, tokens[:npr], tokens[npr:],
                                    seq.request.sampling.for_sample(seq.index), block_ids,
-                                   seq.num_computed_tokens, self.kv.row_of(sid)), num_tokens,
+                                   seq.num_computed_tokens, self.kv.row_of(sid),
+                                   seq.request.pooling is not None), num_tokens,
                        drafts)
             seq.sent_in_full(len(block_ids), len(tokens))
             self._planned(seq, num_tokens, b)

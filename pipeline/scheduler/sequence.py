@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagedserve.pipeline.messages import PromptLogprobs
+from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    pooling: PoolingParams | None = None  # an embedding request: prefill-only
 
 
 class RequestState:
@@ -64,11 +66,12 @@ class RequestState:
     __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
                  "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
                  "num_unfinished", "forked", "queued", "crashes", "speculates", "num_drafted",
-                 "num_accepted", "num_prompt_logprobs")
+                 "num_accepted", "num_prompt_logprobs", "pooling")
 
     def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
                  priority: int, cache_salt: str | None, num_prompt_tokens: int,
-                 max_output_tokens: int, stop_ids: frozenset[int]) -> None:
+                 max_output_tokens: int, stop_ids: frozenset[int],
+                 pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.sampling = sampling
         self.arrival_time = arrival_time
@@ -92,6 +95,9 @@ class RequestState:
         self.num_drafted = self.num_accepted = 0
         # Prompt tokens whose logprobs went to the detokenizer (the first has none).
         self.num_prompt_logprobs = 1
+        # An embedding request: its one sequence computes the prompt and is pooled, never
+        # sampled (max_output_tokens is 0: it never becomes a decode lane).
+        self.pooling = pooling
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -123,7 +129,7 @@ class Sequence:
                  "num_computed_tokens", "num_reserved_tokens", "num_kv_tokens", "shared_tail",
                  "status", "parent_id",
                  "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
-                 "last_step", "preempted_step", "lane_cap", "drafts", "spec_skip")
+                 "last_step", "preempted_step", "lane_cap", "drafts", "spec_skip", "embedding")
 
     def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int],
                  parent_id: int | None = None) -> None:
@@ -155,6 +161,9 @@ class Sequence:
         # Accepted drafts the workers computed but have not been told of: the next plan's
         # ScheduledSeq.num_skipped, so they count them as computed.
         self.spec_skip = 0
+        # A pooling sequence's vector once its prompt is computed (little-endian float32),
+        # kept with the finished request for a detokenizer re-feed; set by `pooled` only.
+        self.embedding: bytes | None = None
 
     # Every change of a sequence's fields is one of the transitions below: the scheduler's
     # modules decide, the sequence records (tests/pipeline/test_sequence_owner.py checks that
@@ -277,6 +286,12 @@ class Sequence:
         self.needs_full_send = True
         self.lane_cap = -1
 
+    def pooled(self, vector: bytes) -> None:
+        """Its prompt is computed and pooled into `vector`: it is done (the caller finishes it)."""
+        self.embedding = vector
+        self.num_computed_tokens = len(self.token_ids)
+        self.lane_cap = -1
+
     def workers_reset(self) -> None:
         """The workers hold nothing for it any more (their group restarted)."""
         self.num_tokens_sent = self.num_blocks_sent = self.step_tokens = self.spec_skip = 0
@@ -356,6 +371,7 @@ class SequenceOutput(msgspec.Struct, gc=False):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     offset: int = 0  # position of new_token_ids[0] among the sample's output tokens
+    embedding: bytes | None = None  # a pooling request's vector
 
 
 class StepOutputs(CollectionSequence):

@@ -185,7 +185,8 @@ class SchedulerService:
     def _admit(self, client_id: bytes, msg: messages.AddRequest) -> None:
         outputs = msg.output_token_ids[0] if msg.output_token_ids else []
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                          msg.arrival_time, msg.priority, msg.cache_salt, list(outputs))
+                          msg.arrival_time, msg.priority, msg.cache_salt, list(outputs),
+                          msg.pooling)
         try:
             self.scheduler.add(request)
         except QueueFull as exc:
@@ -286,7 +287,8 @@ class SchedulerService:
             for seq in state.seqs:
                 samples.append(messages.SampleTokens(
                     request_id=rid, index=seq.index, token_ids=seq.output_token_ids, offset=0,
-                    finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens))
+                    finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens,
+                    embedding=seq.embedding))
             if samples:
                 self.send_to_detok(messages.TokenBatch(-1, samples))
 
@@ -361,7 +363,7 @@ class SchedulerService:
                 offset=out.offset,
                 logprobs=out.logprobs, top_logprobs=out.top_logprobs,
                 finish_reason=out.finish_reason, stop_reason=stop_reason,
-                num_prompt_tokens=owner.num_prompt_tokens))
+                num_prompt_tokens=owner.num_prompt_tokens, embedding=out.embedding))
             if out.request_finished:
                 del self.owners[out.request_id]
         if samples or seqs or batch.prompt_logprobs:

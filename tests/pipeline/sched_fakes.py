@@ -15,6 +15,9 @@ from __future__ import annotations
 import zlib
 from array import array
 
+import numpy as np
+
+from pagedserve.pipeline import pooling
 from pagedserve.pipeline.messages import StepPlan, StepResult
 
 
@@ -55,10 +58,16 @@ def expected_tokens(prompt: list[int], num_tokens: int, vocab: int, salt: int = 
 
 
 class _SeqState:
-    __slots__ = ("tokens", "table", "num_computed", "salt")
+    __slots__ = ("tokens", "table", "num_computed", "salt", "pool")
 
-    def __init__(self, tokens, table, num_computed, salt):
+    def __init__(self, tokens, table, num_computed, salt, pool=False):
         self.tokens, self.table, self.num_computed, self.salt = tokens, table, num_computed, salt
+        self.pool = pool  # an embedding prompt: pooled (its KV read back), never sampled
+
+
+def fake_embedding(tokens: list[int]) -> bytes:
+    """The fake model's pooled vector of a prompt: its tokens as float32, then their count."""
+    return pooling.to_bytes(np.array(tokens + [len(tokens)], dtype=np.float32))
 
 
 class FakeWorker:
@@ -85,7 +94,7 @@ class FakeWorker:
         for ns in plan.new_seqs:
             self.seqs[ns.seq_id] = _SeqState(ns.prompt_token_ids + ns.output_token_ids,
                                              list(ns.block_ids), ns.num_computed_tokens,
-                                             self.salt_of(ns.seq_id))
+                                             self.salt_of(ns.seq_id), ns.pool)
         for src, dst in plan.swap_out:
             self.cpu[dst] = list(self.gpu[src])
         for src, dst in plan.swap_in:
@@ -93,6 +102,8 @@ class FakeWorker:
         for src, dst in plan.copy:
             self.gpu[dst] = list(self.gpu[src])
         seq_ids, token_ids, accepted = [], [], []
+        pooled_ids, pooled = [], []
+        self.pooled_steps = getattr(self, "pooled_steps", [])
         assert len(plan.decode_seq_ids) == len(plan.decode_token_ids)
         for i, s in enumerate(plan.seq_steps()):  # the decode columns first
             st = self.seqs[s.seq_id]
@@ -109,7 +120,13 @@ class FakeWorker:
             for pos, token in enumerate(st.tokens[st.num_computed:end] + drafts, st.num_computed):
                 self.gpu[st.table[pos // self.bs]][pos % self.bs] = token
             st.num_computed = end
-            if end == len(st.tokens):
+            if end == len(st.tokens) and st.pool:
+                seen = [self.gpu[st.table[p // self.bs]][p % self.bs] for p in range(end)]
+                assert seen == st.tokens, f"seq {s.seq_id}: the pool holds {seen}"
+                pooled_ids.append(s.seq_id)
+                pooled.append(fake_embedding(st.tokens))
+                self.pooled_steps.append((s.seq_id, s.num_tokens))
+            elif end == len(st.tokens):
                 seq_ids.append(s.seq_id)
                 num, token = self._verify(s.seq_id, st, drafts)
                 token_ids.append(token)
@@ -126,7 +143,8 @@ class FakeWorker:
                 token_ids.append(self._sample(cid, child))
                 accepted.append(0)
         return StepResult(plan.step_id, seq_ids, token_ids, None, None,
-                          accepted if any(s.draft_token_ids for s in plan.scheduled) else [])
+                          accepted if any(s.draft_token_ids for s in plan.scheduled) else [],
+                          pooled_seq_ids=pooled_ids, pooled=pooled)
 
     def _verify(self, seq_id: int, st: _SeqState, drafts: list[int]) -> tuple[int, int]:
         """Greedy verification, from the pool (drafts in their slots): drafts are accepted

@@ -77,7 +77,8 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  grammar_compile_timeout=4.5, max_restarts=5,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4},
-                 restart_window=7.0, heartbeat_timeout=3.0)
+                 restart_window=7.0, heartbeat_timeout=3.0,
+                 pooler_config='{"pooling_type": "MEAN"}')
     config = EngineConfig.from_kwargs(model="/some/dir", **given)
     for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
         defaults = asdict(getattr(EngineConfig(), section))

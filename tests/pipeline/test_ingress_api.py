@@ -256,6 +256,6 @@ def test_models_version_health():
 
 def test_unknown_route_is_openai_shaped_404():
     async def t(client, ctx, engine):
-        r = await client.post("/v1/embeddings", json={})
+        r = await client.post("/v1/audio/speech", json={})
         assert r.status_code == 404 and "message" in r.json()["error"]
     run_with_client(t)

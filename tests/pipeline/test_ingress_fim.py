@@ -150,8 +150,9 @@ def test_models_lists_what_the_model_can_do(fim_tokenizer):
         return card["capabilities"]
     plain = make_tiny_tokenizer()
     chat = ["chat"] if plain.chat_template else []
-    assert asyncio.run(capabilities(plain)) == ["completion", *chat, "json_schema"]
+    assert asyncio.run(capabilities(plain)) == ["completion", *chat, "json_schema", "embedding"]
     tools = ["chat", "tools"] if fim_tokenizer.chat_template else []
     assert asyncio.run(capabilities(fim_tokenizer, tool_call_parser="hermes",
                                     reasoning_parser="qwen3")) == \
-        ["completion", *tools, "insert", "thinking", "json_schema"]
+        ["completion", *tools, "insert", "thinking", "json_schema", "embedding"]
+    assert asyncio.run(capabilities(plain, is_encoder=True)) == ["embedding"]

@@ -14,7 +14,8 @@ from pagedserve.pipeline.ingress.protocol import (LIMIT_KEY, ChatCompletionReque
 from pagedserve.pipeline.ingress.testing import make_test_context
 
 ROUTES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get",
-          "/v1/messages": "post", "/v1/responses": "post", "/tokenize": "post", "/detokenize": "post", "/infill": "post",
+          "/v1/messages": "post", "/v1/responses": "post", "/v1/embeddings": "post",
+          "/tokenize": "post", "/detokenize": "post", "/infill": "post",
           "/health": "get", "/version": "get", "/metrics": "get"}
 # Behind the API key: /v1, and vLLM's and llama.cpp's routes outside it.
 KEYED = {path for path in ROUTES if path.startswith("/v1/")} | {"/tokenize", "/detokenize",
@@ -93,6 +94,20 @@ def test_token_and_infill_routes_document_their_bodies_and_answers():
     assert set(components["InfillResponse"]["required"]) >= {"content", "stop", "tokens"}
 
 
+def test_embeddings_route_documents_its_body_answer_and_dimensions_limit():
+    from pagedserve.pipeline.ingress.embeddings import EmbeddingRequest
+    schema = served_schema()
+    op = schema["paths"]["/v1/embeddings"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/EmbeddingRequest"}
+    assert op["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/EmbeddingResponse"}
+    props = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert set(props) == set(EmbeddingRequest.model_fields)
+    dims = next(b for b in props["dimensions"]["anyOf"] if b.get("type") == "integer")
+    assert dims == {"type": "integer", "minimum": 1, "maximum": 8}  # the fake's hidden size
+
+
 def test_ranges_and_the_served_models_limits_are_documented():
     schema = served_schema(max_model_len=64, max_queued_requests=8, max_num_seqs=4)
     assert LIMIT_KEY not in json.dumps(schema)
@@ -136,5 +151,7 @@ def test_schemathesis_over_every_operation_finds_nothing():
     assert out["phases"]["coverage"] == out["phases"]["fuzzing"] == "success"
     assert not [s for s in out["statuses"] if s.startswith("5")], out["statuses"]
     assert {"200", "400"} <= set(out["statuses"])
-    assert all(s.params.max_tokens <= 4 for s in engine.submitted)  # the fuzz bounds generation
+    assert all(s.params.max_tokens <= 4 for s in engine.submitted  # the fuzz bounds generation
+               if s.pooling is None)                                 # (embeddings generate none)
+    assert any(s.pooling is not None for s in engine.submitted)     # /v1/embeddings was reached
     assert ctx.admission.in_flight == 0

@@ -98,3 +98,34 @@ def test_tokenize_detokenize_and_infill_are_forwarded_behind_the_keys():
     assert [e["stop"] for e in events] == [False, True]
     assert [path for path, _ in seen] == ["/tokenize", "/detokenize", "/infill", "/infill"]
     assert all(body["model"] == "m" for _, body in seen)  # the served model filled in
+
+
+def test_embeddings_are_forwarded_behind_the_keys_and_charged_their_input():
+    from pagedserve.pipeline.router.prompts import affinity_prompt, estimate_tokens
+    seen = []
+    answer = {"object": "list", "data": [{"object": "embedding", "index": 0,
+                                          "embedding": [0.6, 0.8]}],
+              "model": "m", "usage": {"prompt_tokens": 3, "total_tokens": 3}}
+
+    def handler(request):
+        seen.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json=answer)
+
+    async def run():
+        service, _, _ = make_service(handler)
+        service.limiter = RateLimiter({"k": KeyLimit(tokens_per_minute=600)}, burst_seconds=1)
+        app = build_router_app(service, ["k"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://router") as client:
+            body = {"input": ["hello there", "second"]}
+            assert (await client.post("/v1/embeddings", json=body)).status_code == 401
+            got = await client.post("/v1/embeddings", json=body,
+                                    headers={"Authorization": "Bearer k"})
+            return got
+    got = asyncio.run(run())
+    assert got.status_code == 200 and got.json() == answer
+    assert seen == [("/v1/embeddings", {"input": ["hello there", "second"], "model": "m"})]
+    # the input is the affinity key and the charge; an embedding generates nothing
+    assert affinity_prompt("embeddings", {"input": ["hello there", "x"]}) == "hello there"
+    assert affinity_prompt("embeddings", {"input": [5, 6, 7]}) == [5, 6, 7]
+    assert estimate_tokens("embeddings", {"input": [[1, 2, 3], [4]]}) == 4

@@ -45,7 +45,8 @@ def test_the_flag_overrides_and_the_choice_is_logged(caplog):
 def test_ingress_context_from_config_chooses_the_parser():
     tokenizer = SimpleNamespace(chat_template=HERMES)
     cfg = SimpleNamespace(
-        served_model_name="m", max_model_len=64, model_info=SimpleNamespace(vocab_size=300),
+        served_model_name="m", max_model_len=64, model_info=SimpleNamespace(
+            vocab_size=300, hidden_size=16, is_encoder=False),
         scheduling=SimpleNamespace(max_queued_requests=8, max_num_seqs=4),
         model=SimpleNamespace(model="m"),
         server=SimpleNamespace(api_key=None, max_request_bytes=1 << 16, tool_call_parser=None,

@@ -222,3 +222,46 @@ def test_digit_splitting_pre_tokenizers_are_restored():
     restore_pre_tokenizer(tokenizer, "smollm")
     assert [p for p, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a 123")] \
         == ["a", "1", "2", "3"]
+
+
+def _wheel_with_zip(files: dict[str, bytes]) -> tuple[bytes, str]:
+    """A package archive holding pkg/model.zip of `files`; (the zip's bytes, its sha256)."""
+    import hashlib
+    import io
+    import zipfile
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return inner.getvalue(), hashlib.sha256(inner.getvalue()).hexdigest()
+
+
+def test_builtin_directory_is_checked_and_unpacked(tmp_path, monkeypatch):
+    import zipfile
+    from pagedserve.pipeline.load_error import ModelLoadError
+    from pagedserve.workers import builtin_dirs
+    from pagedserve.workers.builtin_models import Chunk
+    zipped, digest = _wheel_with_zip({"config.json": b"{}", "1_Pooling/config.json":
+                                                b'{"pooling_mode_mean_tokens": true}'})
+
+    def download(requirement, dest):
+        wheel = dest / "pkg-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as w:
+            w.writestr("pkg/model.zip", zipped)
+        return wheel
+    good = builtin_dirs.BuiltinDirectory("Fake-Dir", Chunk("pkg==1.0", "pkg/model.zip", digest,
+                                                           len(zipped)), "bert")
+    monkeypatch.setitem(builtin_dirs.BUILTIN_DIRECTORIES, "Fake-Dir", good)
+    out = tmp_path / "out"
+    out.mkdir()
+    builtin_dirs.unpack_builtin_directory("Fake-Dir", out, download)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
+        ["1_Pooling/config.json", "config.json"]
+    bad = builtin_dirs.BuiltinDirectory("Fake-Dir", Chunk("pkg==1.0", "pkg/model.zip", "0" * 64,
+                                                          len(zipped)), "bert")
+    monkeypatch.setitem(builtin_dirs.BUILTIN_DIRECTORIES, "Fake-Dir", bad)
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ModelLoadError, match="is corrupt: its sha256 is"):
+        builtin_dirs.unpack_builtin_directory("Fake-Dir", other, download)
+    assert not (other / "config.json").exists()

@@ -9,7 +9,8 @@ from torch import nn
 # architecture -> (module in this package, class)
 REGISTRY = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("llama", "MistralForCausalLM"),
             "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-            "gemma3": ("gemma3", "Gemma3ForCausalLM"), "glm4": ("glm4", "Glm4ForCausalLM")}
+            "gemma3": ("gemma3", "Gemma3ForCausalLM"), "glm4": ("glm4", "Glm4ForCausalLM"),
+            "bert": ("bert", "BertModel")}
 
 
 def model_class(architecture: str) -> type[nn.Module]:
