@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import Response
