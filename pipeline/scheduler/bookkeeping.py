@@ -21,8 +21,8 @@ from pagedserve.pipeline.scheduler.preemption import SWAP
 from pagedserve.pipeline.scheduler.results import advance
 from pagedserve.pipeline.scheduler.slots import sync_kv
 from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, STATUS_FOR_REASON, Request,
-                                                    RequestState, Sequence, SequenceOutput,
-                                                    SequenceStatus, StepOutputs)
+                                                    RequestState, Sequence, SequenceStatus)
+from pagedserve.pipeline.scheduler.step_outputs import SequenceOutput, StepOutputs
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING

@@ -19,7 +19,8 @@ from operator import attrgetter, itemgetter
 
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.scheduler.plan import PlanBuilder, ResultRows
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
 RUNNING = SequenceStatus.RUNNING
 NO_DRAFTS: list[int] = []

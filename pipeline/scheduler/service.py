@@ -13,7 +13,8 @@ from operator import attrgetter
 
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, Scheduler
-from pagedserve.pipeline.scheduler.sequence import Request, RequestState, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Request, RequestState
+from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A finished request's share of its drafts that were accepted (n-gram speculation).

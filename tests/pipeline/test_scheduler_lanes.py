@@ -6,7 +6,8 @@ import pytest
 
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
-from pagedserve.pipeline.scheduler.sequence import Request, SequenceOutput, StepOutputs
+from pagedserve.pipeline.scheduler.sequence import Request
+from pagedserve.pipeline.scheduler.step_outputs import SequenceOutput, StepOutputs
 from sched_fakes import expected_tokens, make_scheduler, step
 
 

@@ -1,0 +1,77 @@
+"""What `Scheduler.update` (and an abort or stop) hands back: one SequenceOutput per sample
+that gained tokens or finished, the plain ones kept as columns (`StepOutputs`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence as CollectionSequence
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from pagedserve.pipeline.messages import PromptLogprobs
+    from pagedserve.pipeline.scheduler.sequence import Sequence
+
+
+class SequenceOutput(msgspec.Struct, gc=False):
+    """What one step (or an abort/stop) produced for one sample of a request."""
+
+    request_id: str
+    index: int  # sample index, 0 .. n-1
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once this sample is done
+    request_finished: bool = False  # every sample of the request is done
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    offset: int = 0  # position of new_token_ids[0] among the sample's output tokens
+    embedding: bytes | None = None  # a pooling request's vector
+
+
+class StepOutputs(CollectionSequence):
+    """What `Scheduler.update` returns for one step: a SequenceOutput per sample that gained a
+    token. The plain ones (one token, not finished, no logprobs: nearly all of them) stay as two
+    parallel columns - the sample's Sequence and its token - which the scheduler process
+    forwards without building an object per sample; `others` holds the rest, in sequence order.
+    Indexing and iterating give SequenceOutputs (built on demand), the columns first; the
+    columns read the live sequences, so read a step's outputs before the next `update`.
+    """
+
+    __slots__ = ("seqs", "token_ids", "others", "prompt_logprobs")
+
+    def __init__(self, seqs: list[Sequence], token_ids: list[int],
+                 others: list[SequenceOutput]) -> None:
+        self.seqs = seqs
+        self.token_ids = token_ids
+        self.others = others
+        # (request id, chunk): prompt logprobs new this step (not counted in len())
+        self.prompt_logprobs: list[tuple[str, PromptLogprobs]] = []
+
+    def __len__(self) -> int:
+        return len(self.seqs) + len(self.others)
+
+    def _column(self, i: int) -> SequenceOutput:
+        seq = self.seqs[i]
+        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]],
+                              offset=len(seq.token_ids) - seq.num_prompt_tokens - 1)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.seqs)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("StepOutputs index out of range")
+        return self._column(i) if i < n else self.others[i - n]
+
+    def __iter__(self):
+        for i in range(len(self.seqs)):
+            yield self._column(i)
+        yield from self.others
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StepOutputs, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({list(self)!r})"
