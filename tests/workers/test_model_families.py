@@ -172,5 +172,5 @@ def test_unknown_architecture_is_refused_naming_it(model_dirs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"unsupported architecture model_type='phi3' "
                                              r"\(architectures \['Phi3ForCausalLM'\]\); supported: "
-                                             r"gemma3, glm4, llama, mistral, qwen2, qwen3"):
+                                             r"bert, gemma3, glm4, llama, mistral, qwen2, qwen3"):
         load_config(tmp_path)
