@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--streams", type=int, default=48, help="ZMQ streams kept in flight")
     ap.add_argument("--interval", type=float, nargs=2, default=(10.0, 40.0),
                     help="seconds between faults: uniform in [lo, hi]")
+    ap.add_argument("--min-faults", type=int, default=0,
+                    help="go on past --duration until this many faults were injected (a slow "
+                         "recovery on a loaded host leaves room for fewer)")
     ap.add_argument("--stop-share", type=float, default=0.3, help="share of SIGSTOP faults")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel worker ranks")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -267,10 +270,12 @@ def main(argv: list[str] | None = None) -> dict:
         threads = streams.start() + probe.start()
         faults, recoveries = [], []
         began = time.monotonic()
-        while time.monotonic() - began < args.duration:
-            time.sleep(min(rng.uniform(*args.interval),
-                           max(0.0, args.duration - (time.monotonic() - began))))
-            if time.monotonic() - began >= args.duration:
+        while time.monotonic() - began < args.duration or len(faults) < args.min_faults:
+            pause = rng.uniform(*args.interval)
+            if len(faults) >= args.min_faults:
+                pause = min(pause, max(0.0, args.duration - (time.monotonic() - began)))
+            time.sleep(pause)
+            if time.monotonic() - began >= args.duration and len(faults) >= args.min_faults:
                 break
             role, action, seconds = inject(group, rng, args.stop_share)
             faults.append(f"{role}:{action}")

@@ -13,7 +13,7 @@ def test_short_chaos_soak_loses_nothing():
     soak = load_script("chaos_soak")
     result = soak.main(["--duration", "15", "--streams", "8", "--interval", "4", "7",
                         "--workload", "16", "--max-tokens", "8", "24", "--tp", "2",
-                        "--seed", "3", "--no-store"])
+                        "--seed", "3", "--min-faults", "2", "--no-store"])
     assert result["faults"] >= 2
     assert (result["lost"], result["duplicated_tokens"], result["differing"]) == (0, 0, 0)
     assert result["completed"] > 0 and result["http_lost"] == 0 and result["http_5xx"] == 0
