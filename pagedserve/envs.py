@@ -19,8 +19,9 @@ Tests change settings with `override(...)`, which also clears what was derived f
 | PAGEDSERVE_FP32_LINEAR | auto | fp32 CPU linears: auto, native (linear_f32.c), onednn |
 | PAGEDSERVE_BF16_LINEAR | auto | bf16 CPU linears: auto, native (linear_bf16.c), torch |
 | PAGEDSERVE_NATIVE_ELEMENTWISE | 1 | 0: torch's RMSNorm, SiLU-and-mul and RoPE on CPU |
-| PAGEDSERVE_PREPACK | 1 | 0: no prepacked CPU linear weights (plain F.linear) |
+| PAGEDSERVE_PREPACK | 1 | 0: no prepacked CPU linear weights (plain F.linear; GGUF weights kept raw) |
 | PAGEDSERVE_CPU_DECODE_REPLAY | 1 | 0: CPU decode steps run eagerly, not replayed (workers/cpu_decode_replay.py) |
+| PAGEDSERVE_NATIVE_VARIANT | native | native kernels' build: native (this CPU's best), avx512, avx2 (e.g. an AVX-512 host measuring AVX2), portable |
 | PAGEDSERVE_NATIVE_CFLAGS | (none) | extra C compiler flags for the native kernels |
 | CC | gcc or cc | the C compiler of the native kernels |
 | PAGEDSERVE_STEP_TRACE | (none) | a file: a JSON line per step, its time split across the processes (scripts/step_budget.py) |
@@ -47,6 +48,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 DECODE_CPU_PATHS = ("native", "bucketed", "ref")
 FP32_LINEAR_CHOICES = ("auto", "native", "onednn")
 BF16_LINEAR_CHOICES = ("auto", "native", "torch")
+NATIVE_VARIANTS = ("native", "avx512", "avx2", "portable")   # kernels/native/variants.py's
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class Environment:
     native_elementwise: bool = True
     prepack: bool = True
     cpu_decode_replay: bool = True
+    native_variant: str = "native"
     native_cflags: str = ""
     cc: str = ""
     step_trace: str = ""
@@ -73,7 +76,8 @@ class Environment:
     def __post_init__(self) -> None:
         for name, choices in (("kernels", KERNEL_BACKENDS), ("decode_cpu", DECODE_CPU_PATHS),
                               ("fp32_linear", FP32_LINEAR_CHOICES),
-                              ("bf16_linear", BF16_LINEAR_CHOICES)):
+                              ("bf16_linear", BF16_LINEAR_CHOICES),
+                              ("native_variant", NATIVE_VARIANTS)):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{_VARIABLES[name]}={value!r}: expected one of "
@@ -104,6 +108,7 @@ _VARIABLES = {
     "fp32_linear": "PAGEDSERVE_FP32_LINEAR", "bf16_linear": "PAGEDSERVE_BF16_LINEAR",
     "native_elementwise": "PAGEDSERVE_NATIVE_ELEMENTWISE", "prepack": "PAGEDSERVE_PREPACK",
     "cpu_decode_replay": "PAGEDSERVE_CPU_DECODE_REPLAY",
+    "native_variant": "PAGEDSERVE_NATIVE_VARIANT",
     "native_cflags": "PAGEDSERVE_NATIVE_CFLAGS", "cc": "CC",
     "step_trace": "PAGEDSERVE_STEP_TRACE", "ready_timeout": "PAGEDSERVE_READY_TIMEOUT",
     "drain_timeout": "PAGEDSERVE_DRAIN_TIMEOUT", "start_timeout": "PAGEDSERVE_START_TIMEOUT",

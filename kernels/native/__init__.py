@@ -42,49 +42,52 @@ class _Loaded(NamedTuple):
 
 # by (feature, variant)
 _loaded: dict[tuple[str, str], _Loaded] = {}
-_variant = variants.DEFAULT
+_variant: str | None = None   # None: PAGEDSERVE_NATIVE_VARIANT's (default: native)
 _listeners: list[Callable[[], None]] = []
 
 
 def library(feature: str) -> ctypes.CDLL | None:
     """The feature's compiled kernels in the selected variant (built and cached on first call),
     or None if they cannot be built or loaded."""
-    key = (feature, _variant)
+    key = (feature, variant())
     loaded = _loaded.get(key)
     if loaded is None:
-        loaded = _loaded[key] = _load(_feature(feature), _variant)
+        loaded = _loaded[key] = _load(_feature(feature), key[1])
     return loaded.library
 
 
 def unavailable_reason(feature: str) -> str | None:
     """Why `library(feature)` is None (None when it loads)."""
     library(feature)
-    return _loaded[(feature, _variant)].reason
+    return _loaded[(feature, variant())].reason
 
 
 def library_path(feature: str) -> Path:
     """Where the feature's library is cached under the current settings and variant (needs a
     compiler: the key holds its version; VariantUnavailable where the variant is)."""
-    return _target(_feature(feature), _compiler(), _variant)
+    return _target(_feature(feature), _compiler(), variant())
 
 
 def variant() -> str:
-    """The build variant `library` loads (variants.py)."""
-    return _variant
+    """The build variant `library` loads (variants.py): the one selected, else the
+    environment's (PAGEDSERVE_NATIVE_VARIANT, e.g. avx2 to run an AVX-512 host's AVX2 bodies)."""
+    return _variant if _variant is not None else envs.current().native_variant
 
 
-def select_variant(name: str) -> None:
-    """Load the libraries of variant `name` from now on (those of others stay loaded)."""
+def select_variant(name: str | None) -> None:
+    """Load the libraries of variant `name` from now on (those of others stay loaded); None:
+    the environment's again."""
     global _variant
-    if variants.check(name) != _variant:
-        _variant = name
+    before = variant()
+    _variant = None if name is None else variants.check(name)
+    if variant() != before:
         for listener in _listeners:
             listener()
 
 
 @contextlib.contextmanager
-def use_variant(name: str) -> Iterator[str]:
-    """Tests: variant `name` selected for the duration of the block."""
+def use_variant(name: str | None) -> Iterator[str | None]:
+    """Tests: variant `name` (None: the environment's) selected for the duration of the block."""
     before = _variant
     select_variant(name)
     try:
@@ -112,8 +115,11 @@ def on_variant_change(listener: Callable[[], None]) -> Callable[[], None]:
 
 def forget() -> None:
     """Drop the loaded libraries: the next call resolves them again (the settings changed, or a
-    test changed the cache folder under them)."""
+    test changed the cache folder under them); choices derived from the variant go too (the
+    environment's variant may have changed)."""
     _loaded.clear()
+    for listener in _listeners:
+        listener()
 
 
 envs.on_change(forget)

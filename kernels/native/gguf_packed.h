@@ -12,7 +12,8 @@
  *
  * Rows past n in the last panel repeat row n - 1. Each column's integer sums and fp32 terms are
  * gguf_unpack.h's (d and dm derived as unpack_* derives them), so the bits are the row paths'.
- * AVX-512 (BW + VNNI) only: elsewhere gguf_packed_supported() is 0 and weights stay raw.
+ * AVX-512 (BW + VNNI) here, AVX2 + F16C in gguf_packed_avx2.h: elsewhere gguf_packed_supported()
+ * is 0 and weights stay raw.
  * Included by linear_gguf.c after its job types: the entry points for packed weights are here. */
 
 #ifndef PAGEDSERVE_GGUF_PACKED_H
@@ -228,6 +229,14 @@ DEFINE_PACKED_K_ROWS(packed_q4_k_6, 6)
 static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
     packed_q4_k_1, packed_q4_k_2, packed_q4_k_3, packed_q4_k_4, packed_q4_k_5, packed_q4_k_6};
 
+#elif defined(__AVX2__) && defined(__F16C__)
+#define PACKED_SUPPORTED 1
+#include "gguf_packed_avx2.h"
+#else
+#define PACKED_SUPPORTED 0
+#endif
+
+#if PACKED_SUPPORTED
 static const packed_rows_fn *packed_rows_for(int qtype) {
     switch (qtype) {
         case T_Q4_K: return packed_q4_k;
@@ -260,13 +269,36 @@ static void packed_task(void *ctx, int64_t task) {
         }
     }
 }
-#else
-#define PACKED_SUPPORTED 0
+
+#ifdef PACKED_WIDE_MIN_ROWS
+/* packed_task for many rows (AVX2): each panel spread once into a wide panel, then its passes */
+static void packed_wide_task(void *ctx, int64_t task) {
+    const linear_job *job = ctx;
+    wide_panel p;
+    if (wide_storage(job->k, job->info->block, &p) != 0) {
+        __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const int64_t first = task * job->panels_per_task;
+    int64_t last = first + job->panels_per_task;
+    if (last > job->num_panels) last = job->num_panels;
+    for (int64_t panel_index = first; panel_index < last; panel_index++) {
+        const int64_t n0 = panel_index * PACKED_COLS;
+        const int live = job->n - n0 < PACKED_COLS ? (int)(job->n - n0) : PACKED_COLS;
+        const uint8_t *panel = job->w + panel_index * job->w_stride;
+        if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
+            prefetch_bytes(panel + job->w_stride, job->w_stride);
+        packed_to_wide(job->qtype, panel, job->k, &p);
+        wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
+                            job->ldy, n0, live);
+    }
+}
+#endif
 #endif
 
 /* ---- the library's entry points for packed weights (after linear_gguf.c's job types) ---- */
 
-/* 1 where gguf_packed_linear runs (this build has its AVX-512 body), else 0 */
+/* 1 where gguf_packed_linear runs (this build has its AVX-512 or AVX2 body), else 0 */
 int gguf_packed_supported(void) { return PACKED_SUPPORTED; }
 
 /* Bytes gguf_pack writes for n x k of `qtype`; -1 for bad sizes or a type that is not packed */
@@ -339,10 +371,16 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
                       xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0};
     job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
     if (job.panels_per_task < 1) job.panels_per_task = 1;
-    pa_run_tasks(threads, packed_task, &job,
-                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
+    task_fn run = packed_task;
+#ifdef PACKED_WIDE_MIN_ROWS
+    if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;
 #endif
+    pa_run_tasks(threads, run, &job,
+                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
+    return job.failed ? -2 : 0;
+#else
     return 0;
+#endif
 }
 
 #endif

@@ -22,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
-VARIANTS = ("native", "avx512", "avx2", "portable")
+from pagedserve.envs import NATIVE_VARIANTS
+
+VARIANTS = NATIVE_VARIANTS   # PAGEDSERVE_NATIVE_VARIANT chooses among them
 DEFAULT = "native"
 
 X86_64, AARCH64 = "x86_64", "aarch64"

@@ -183,12 +183,27 @@ def test_gguf_py_quantized_weights_multiply_like_their_dequantization():
 
 PACKED = sorted(gl.PACKED_TYPES)
 needs_packing = pytest.mark.skipif(not gl.packing_supported(),
-                                   reason="this build has no packed-panel body (AVX-512 VNNI)")
+                                   reason="this build has no packed-panel body (AVX-512 VNNI "
+                                          "or AVX2 + F16C)")
+
+
+def _packing_variants() -> list[str]:
+    """The build variants this machine runs that have a packed-panel body (AVX-512 and AVX2)."""
+    found = []
+    for variant in native.VARIANTS:
+        if native.variant_unavailable_reason(variant) is None:
+            with native.use_variant(variant):
+                if gl.packing_supported():
+                    found.append(variant)
+    return found
 
 
 @needs_packing
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
 def test_packed_weights_unpack_to_their_bytes_and_multiply_to_the_same_bits(qtype, rng):
+    """Packing keeps the bytes; every variant with a packed body (AVX-512's and AVX2's) gives
+    the raw row paths' bits for each row count (1 to 4 rows a pass in registers, from 8 rows
+    AVX2's panels spread once per call)."""
     k = 768 if gl.activation_block(qtype) == 256 else 544     # 544: a 16-quad tail
     w = random_weight(qtype, 37, k, rng)            # a short last panel
     packed = gl.pack(w)
@@ -201,11 +216,16 @@ def test_packed_weights_unpack_to_their_bytes_and_multiply_to_the_same_bits(qtyp
     assert torch.equal(gl.unpack(packed, ids).data, w.data[ids.reshape(-1)])
     assert torch.equal(gl.dequantize_rows(packed, ids).nan_to_num(7.0),
                        gl.dequantize_rows(w, ids).nan_to_num(7.0))
-    for m in (1, 2, 6, 7, 13):
+    variants = _packing_variants()
+    assert native.variant() in variants
+    for m in (1, 2, 3, 4, 6, 7, 8, 13):
         x = activations(m, k, rng)
         raw = gl.linear(x, w, threads=1).nan_to_num(7.0)
-        for threads in (1, 2):
-            assert torch.equal(gl.linear(x, packed, threads=threads).nan_to_num(7.0), raw), m
+        for variant in variants:
+            with native.use_variant(variant):
+                for threads in (1, 2):
+                    got = gl.linear(x, packed, threads=threads).nan_to_num(7.0)
+                    assert torch.equal(got, raw), (variant, m, threads)
 
 
 @needs_packing

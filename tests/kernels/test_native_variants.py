@@ -172,3 +172,17 @@ def test_a_simulated_aarch64_host_builds_the_portable_variant(tmp_path, fresh_ca
             assert native.library("elementwise") is None
             assert "unrecognized command-line option '-mno-avx512f'" in \
                 native.unavailable_reason("elementwise")
+
+
+def test_the_environment_chooses_the_variant_a_selection_overrides():
+    """PAGEDSERVE_NATIVE_VARIANT (e.g. avx2 on an AVX-512 host, to measure what most laptops
+    run) is the variant until a test selects another; the selection's end returns to it."""
+    with native.use_variant(None):                  # whatever this module's fixture selected
+        with envs.override(native_variant="portable"):
+            assert native.variant() == "portable"
+            with native.use_variant("native"):
+                assert native.variant() == "native"
+            assert native.variant() == "portable"
+        assert native.variant() == envs.current().native_variant
+    with pytest.raises(ValueError, match="PAGEDSERVE_NATIVE_VARIANT='sse9'"):
+        envs.Environment(native_variant="sse9")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve import envs
 from pagedserve.kernels.native_linear_gguf import PackedWeight
 from pagedserve.kernels.quant_formats import QuantizedWeight, cat_rows
 
@@ -77,9 +78,10 @@ class QuantizedMatmul:
 
 def _packed(segments: list[tuple[int, QuantizedWeight]], device: torch.device
             ) -> list[tuple[int, QuantizedWeight | PackedWeight]]:
-    """The segments with the 32-element types packed into panels where the CPU kernel runs
-    them (kernels/native_linear_gguf.pack: the same bits, ~2-4x faster for few rows of x)."""
-    if device.type != "cpu":
+    """The segments of the packed types packed into panels where the CPU kernel runs them
+    (kernels/native_linear_gguf.pack: the same bits, faster for every row count; not under
+    PAGEDSERVE_PREPACK=0)."""
+    if device.type != "cpu" or not envs.current().prepack:
         return segments
     from pagedserve.kernels import native_linear_gguf as gguf
     if not any(w.qtype in gguf.PACKED_TYPES for _, w in segments) or \
