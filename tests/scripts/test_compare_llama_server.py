@@ -134,3 +134,17 @@ def test_amx_kernels_are_left_out_where_tiles_do_not_run(monkeypatch, usable, fl
     flags = build.cmake_flags()
     assert "-DGGML_NATIVE=ON" in flags
     assert ("-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags) is flagged
+
+
+def test_an_avx2_build_is_cached_apart_and_ours_runs_its_avx2_kernels(tmp_path, monkeypatch):
+    """--isa avx2: llama-server without GGML_NATIVE (AVX2, FMA, F16C; no AVX-512) in a folder of
+    its own, and our server started with PAGEDSERVE_NATIVE_VARIANT=avx2."""
+    flags = build.cmake_flags("avx2")
+    assert "-DGGML_NATIVE=ON" not in flags and "-DGGML_NATIVE=OFF" in flags
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"} <= set(flags)
+    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    assert build.cache_folder("1.0", "avx2") == tmp_path / "llama.cpp" / "1.0-avx2"
+    assert build.cache_folder("1.0") == tmp_path / "llama.cpp" / "1.0"
+    args = compare.build_parser().parse_args(["--isa", "avx2"])
+    llama, ours = compare.servers(args, Path("/bin/llama-server"), Path("m.gguf"), tmp_path)
+    assert ours.env == {"PAGEDSERVE_NATIVE_VARIANT": "avx2"} and llama.env == {}
