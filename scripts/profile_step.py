@@ -10,6 +10,7 @@ of `--context` tokens, as scripts/bench_step.py sets them):
 - `step_ms`: the runner's whole `execute` as a serving worker runs it (decode steps of up to
   32 rows replay their recorded native kernel calls, workers/cpu_decode_replay.py), plus
   `sample_ms`, the worker's sampler over the step's logits (greedy and top-p rows alternating).
+- `replay_ms`: for a replayed step, its native calls by kind and what runs outside them.
 - `parts_ms`: the same step run eagerly with timing hooks on every module (hooks cost a few
   microseconds each, so parts add up to a little more than an untraced eager step, `eager_ms`).
 `floor_ms`: the weight bytes one decode step reads (the linears as stored and the LM head) over
@@ -24,6 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +34,7 @@ from bench_step import cpu_info, timed  # noqa: E402
 
 from pagedserve.kernels import native  # noqa: E402
 from pagedserve.kernels.kv_format import to_storage  # noqa: E402
+from pagedserve.kernels.native_replay import OP_KINDS  # noqa: E402
 from pagedserve.pipeline.config import ModelArgs  # noqa: E402
 from pagedserve.workers.loader import load_config, resolve_model  # noqa: E402
 from pagedserve.workers.model_runner import ModelRunner, SeqStep  # noqa: E402
@@ -123,8 +126,33 @@ def copy_gb_s(mib: int) -> float:
     return 2 * src.nbytes / seconds / 1e9   # read + write
 
 
+REPLAY_KINDS = {1: "rms_norm", 2: "silu_mul", 3: "gguf_linear", 4: "gguf_packed",
+                5: "linear_f32", 6: "linear_q8", 7: "rope_store", 8: "decode_attention",
+                9: "add_rows"}   # kernels/native_replay.py's op kinds
+
+
+def replay_ms(runner: ModelRunner, items: list[SeqStep], repeats: int, step_s: float) -> dict:
+    """The serving step's native calls by kind (a replayed decode step times each call), and
+    the rest of the step (Python around the replay: embedding, sampling inputs, outputs)."""
+    replay = runner.cpu_replay
+    replay.seconds = np.zeros(OP_KINDS)
+    try:
+        for _ in range(repeats):
+            runner.execute(items)
+        seconds = replay.seconds / repeats
+    finally:
+        replay.seconds = None
+    if not seconds.any():
+        return {}   # this step did not replay (too many rows, or a prefill)
+    parts = {name: round(float(seconds[kind]) * 1e3, 3) for kind, name in REPLAY_KINDS.items()
+             if seconds[kind]}
+    parts["outside_native_calls"] = round((step_s - float(seconds.sum())) * 1e3, 3)
+    return parts
+
+
 def profile(runner: ModelRunner, items: list[SeqStep], repeats: int) -> dict:
     step_s = timed(lambda: runner.execute(items), repeats)
+    native_parts = replay_ms(runner, items, repeats, step_s) if runner.cpu_replay else {}
     replay, runner.cpu_replay = runner.cpu_replay, None
     try:
         eager_s = timed(lambda: runner.execute(items), repeats)
@@ -142,7 +170,9 @@ def profile(runner: ModelRunner, items: list[SeqStep], repeats: int) -> dict:
         for module in runner.model.modules():
             module._forward_hooks.clear()
             module._forward_pre_hooks.clear()
-    return {"step_ms": round(step_s * 1e3, 2), "eager_ms": round(eager_s * 1e3, 2),
+    return {"step_ms": round(step_s * 1e3, 2), **({"replay_ms": native_parts} if native_parts
+                                                  else {}),
+            "eager_ms": round(eager_s * 1e3, 2),
             "traced_ms": round(traced_s * 1e3, 2), "parts_ms": parts}
 
 
