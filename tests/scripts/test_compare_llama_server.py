@@ -72,6 +72,8 @@ def test_cached_binary_is_reused_on_the_cpu_it_was_built_for(tmp_path, monkeypat
     assert build.cached_server("1.0") is None
     (folder / "llama-server").write_text("")
     (folder / "build_info.json").write_text(json.dumps({"machine": build.build_machine()}))
+    assert build.cached_server("1.0") is None       # built before llama-perplexity was a target
+    (folder / "llama-perplexity").write_text("")
     assert build.cached_server("1.0") == folder / "llama-server"
     other = {**build.build_machine(), "cpu_flags": ["avx"]}
     (folder / "build_info.json").write_text(json.dumps({"machine": other}))
