@@ -77,19 +77,28 @@ def _check_rows(w: QuantizedWeight) -> None:
                          f"got {w.data.device} strides {w.data.stride()}")
 
 
-# The types gguf_pack repacks into panels of 16 rows (kernels/native/gguf_packed.h)
+# The types gguf_pack repacks into panels of 16 rows (kernels/native/gguf_packed.h) in every
+# build with a packed body; Q6_K too where `packs` says so (AVX2 builds)
 PACKED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G, QType.Q4_K})
 
 
 def packing_supported() -> bool:
-    """Whether this build runs weights repacked into panels (its AVX-512 VNNI body)."""
+    """Whether this build runs weights repacked into panels (its AVX-512 VNNI or AVX2 body)."""
     lib = native.library(FEATURE)
     return lib is not None and lib.gguf_packed_supported() == 1
 
 
+def packs(qtype: QType) -> bool:
+    """Whether this build packs (and runs packed) weights of `qtype`."""
+    if not packing_supported():
+        return False
+    elements = block_size(qtype)
+    return _library().gguf_packed_bytes(int(qtype), 16, elements) > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A QuantizedWeight of a PACKED_TYPES type repacked into panels of 16 rows: the raw bytes in
+    """A QuantizedWeight of a type `packs` accepts repacked into panels of 16 rows: the raw bytes in
     the order the panel kernel reads them (Q4_K's 6-bit scales and mins as bytes), `pack` /
     `unpack`."""
     qtype: QType
@@ -108,7 +117,7 @@ class PackedWeight:
 
 
 def pack(w: QuantizedWeight) -> PackedWeight:
-    """`w` repacked into panels (packing_supported() and w.qtype in PACKED_TYPES)."""
+    """`w` repacked into panels (where `packs(w.qtype)`)."""
     _check_rows(w)
     n, k = w.shape
     lib = _library()

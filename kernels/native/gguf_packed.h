@@ -23,16 +23,17 @@
 
 #define PACKED_COLS 16
 
+#include "gguf_packed_k.h"
+
 static inline int packed_type(int qtype) {
     return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0
-        || qtype == T_I4G || qtype == T_Q4_K;
+        || qtype == T_I4G || qtype == T_Q4_K || (PACKED_Q6K && qtype == T_Q6_K);
 }
-
-#include "gguf_packed_k.h"
 
 /* bytes of one packed block (16 rows) */
 static inline int64_t packed_block_bytes(int qtype) {
-    return qtype == T_Q4_K ? Q4K_BYTES : (int64_t)PACKED_COLS * qtype_lookup(qtype)->bytes;
+    return qtype == T_Q4_K ? Q4K_BYTES : qtype == T_Q6_K ? Q6K_BYTES
+                                        : (int64_t)PACKED_COLS * qtype_lookup(qtype)->bytes;
 }
 
 
@@ -73,7 +74,8 @@ static void pack_panel(const qtype_info *info, int qtype, const uint8_t *w, int6
         const uint8_t *raw = w + (16 * p + c < n ? 16 * p + c : n - 1) * stride;
         info->unpack(raw, K, row);
         for (int64_t b = 0; b < blocks; b++) {
-            if (info->kquant) pack_k_block(row, b, raw + b * info->bytes, c, out + b * bytes);
+            if (qtype == T_Q6_K) pack_q6k_block(row, b, raw + b * info->bytes, c, out + b * bytes);
+            else if (info->kquant) pack_k_block(row, b, raw + b * info->bytes, c, out + b * bytes);
             else pack_32_block(qtype, row->u + 32 * b, raw + b * info->bytes, c, out + b * bytes);
         }
     }
@@ -88,7 +90,8 @@ static void unpack_packed_column(const qtype_info *info, int qtype, const uint8_
         const uint8_t *blk = panel + b * bytes;
         uint8_t u[32], *out = raw + b * info->bytes;
         if (info->kquant) {
-            unpack_k_block(blk, c, out);
+            if (qtype == T_Q6_K) unpack_q6k_block(blk, c, out);
+            else unpack_k_block(blk, c, out);
             continue;
         }
         for (int q = 0; q < 8; q++)
@@ -240,6 +243,9 @@ static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
 static const packed_rows_fn *packed_rows_for(int qtype) {
     switch (qtype) {
         case T_Q4_K: return packed_q4_k;
+#if PACKED_Q6K
+        case T_Q6_K: return packed_q6_k;
+#endif
         case T_Q4_0: return packed_q4_0;
         case T_Q4_1: return packed_q4_1;
         case T_Q5_0: return packed_q5_0;

@@ -145,6 +145,74 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
     }                                                                                            \
 }
 
+/* Q6_K: group g's scales of columns 8h .. 8h + 7 (signed) as int16 pairs and as int32 */
+static inline void packed_q6k_group8(const uint8_t *blk, int g, int h, __m256i *sc, __m256i *mc) {
+    *mc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + Q6K_SC + 16 * g + 8 * h)));
+    *sc = _mm256_or_si256(_mm256_slli_epi32(*mc, 16), _mm256_and_si256(*mc, _mm256_set1_epi32(0xffff)));
+}
+
+/* Q6_K quad q's 32 bytes (u = 6 bits) for columns 8h .. 8h + 7 */
+static inline __m256i packed_q6k_quad8(const uint8_t *blk, int q, int h) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (q / 2) + 32 * h));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + Q6K_HI + 64 * (q / 4) + 32 * h));
+    const __m256i lo = q % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)
+                             : _mm256_and_si256(v, low4);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q % 4)), two), 4));
+}
+
+/* Q6_K's rows: Q4_K's body with a scale for each group of 16 and the scales as the mins (dm is
+ * 32 d: w = d sc (u - 32)) */
+#define DEFINE_PACKED8_Q6K_ROWS(NAME, ROWS)                                                      \
+static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
+                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
+    const int64_t blocks = K / 256, bytes = Q6K_BYTES;                                           \
+    __m256 acc[ROWS][2];                                                                         \
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
+    for (int64_t b = 0; b < blocks; b++) {                                                       \
+        const uint8_t *blk = panel + b * bytes;                                                  \
+        __m256i i1[ROWS][2], i2[ROWS][2];                                                        \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            i1[r][0] = i1[r][1] = i2[r][0] = i2[r][1] = _mm256_setzero_si256();                  \
+        if (ahead) prefetch_bytes(blk + 2 * bytes, bytes);                                       \
+        for (int g = 0; g < 16; g++) {                                                           \
+            __m256i sc[2], mc[2];                                                                \
+            packed_q6k_group8(blk, g, 0, &sc[0], &mc[0]);                                        \
+            packed_q6k_group8(blk, g, 1, &sc[1], &mc[1]);                                        \
+            for (int q = 4 * g; q < 4 * g + 4; q++)                                              \
+                for (int h = 0; h < 2; h++) {                                                    \
+                    const __m256i wv = packed_q6k_quad8(blk, q, h);                              \
+                    for (int r = 0; r < ROWS; r++)                                               \
+                        i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(                 \
+                            _mm256_maddubs_epi16(wv, quad_of(xq + r * K + 256 * b + 4 * q)),     \
+                            sc[h]));                                                             \
+                }                                                                                \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const __m256i sv = _mm256_set1_epi32(xs[r * (K / 16) + 16 * b + g]);             \
+                i2[r][0] = _mm256_add_epi32(i2[r][0], _mm256_mullo_epi32(mc[0], sv));            \
+                i2[r][1] = _mm256_add_epi32(i2[r][1], _mm256_mullo_epi32(mc[1], sv));            \
+            }                                                                                    \
+        }                                                                                        \
+        for (int h = 0; h < 2; h++) {                                                            \
+            const __m256 d = _mm256_cvtph_ps(                                                    \
+                _mm_loadu_si128((const __m128i *)(blk + Q6K_D + 16 * h)));                       \
+            const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(32.0f), d);                           \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const __m256 dav = _mm256_set1_ps(xd[r * blocks + b]);                           \
+                const __m256 s1 = _mm256_mul_ps(d, dav), s2 = _mm256_mul_ps(dm, dav);            \
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_sub_ps(                              \
+                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1[r][h])),                             \
+                    _mm256_mul_ps(s2, _mm256_cvtepi32_ps(i2[r][h]))));                           \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < ROWS; r++) {                                                             \
+        _mm256_storeu_ps(out[r], acc[r][0]);                                                     \
+        _mm256_storeu_ps(out[r] + 8, acc[r][1]);                                                 \
+    }                                                                                            \
+}
+
 typedef void (*packed_rows_fn)(const uint8_t *, int64_t, const int8_t *, const float *,
                                const int16_t *, float[PACKED_ROWS][PACKED_COLS], int);
 
@@ -168,11 +236,41 @@ DEFINE_PACKED8_K_ROWS(packed_q4_k_4, 4)
 static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
     packed_q4_k_1, packed_q4_k_2, packed_q4_k_3, packed_q4_k_4};
 
+DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_1, 1)
+DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_2, 2)
+DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_3, 3)
+DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_4, 4)
+static const packed_rows_fn packed_q6_k[PACKED_ROWS] = {
+    packed_q6_k_1, packed_q6_k_2, packed_q6_k_3, packed_q6_k_4};
+
 /* Many rows of x: a packed panel spread once into gguf_wide.h's panel (the same layout: quad q's
  * 16 columns x 4 bytes; scales per block and column; Q4_K's group scales as int16 pairs and
  * mins as int32), then gguf_wide.h's passes of WIDE_ROWS rows read bytes with nothing left to
  * unpack: the same integer sums and terms, so the same bits. */
 static void packed_to_wide(int qtype, const uint8_t *panel, int64_t K, wide_panel *p) {
+    if (qtype == T_Q6_K) {
+        for (int64_t b = 0; b < K / 256; b++) {
+            const uint8_t *blk = panel + b * Q6K_BYTES;
+            for (int q = 0; q < 64; q++)
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_si256((__m256i *)(p->wq + (b * 64 + q) * WIDE * 4 + 32 * h),
+                                        packed_q6k_quad8(blk, q, h));
+            for (int g = 0; g < 16; g++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i sc, mc;
+                    packed_q6k_group8(blk, g, h, &sc, &mc);
+                    _mm256_storeu_si256((__m256i *)(p->sc + ((b * 16 + g) * WIDE + 8 * h) * 2), sc);
+                    _mm256_storeu_si256((__m256i *)(p->mc + (b * 16 + g) * WIDE + 8 * h), mc);
+                }
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(
+                    _mm_loadu_si128((const __m128i *)(blk + Q6K_D + 16 * h)));
+                _mm256_storeu_ps(p->d + b * WIDE + 8 * h, d);
+                _mm256_storeu_ps(p->dm + b * WIDE + 8 * h, _mm256_mul_ps(_mm256_set1_ps(32.0f), d));
+            }
+        }
+        return;
+    }
     if (qtype == T_Q4_K) {
         const int64_t bytes = packed_block_bytes(T_Q4_K);
         const __m256i low4 = _mm256_set1_epi8(0x0f);

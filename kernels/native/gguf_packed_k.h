@@ -46,6 +46,53 @@ static void unpack_k_block(const uint8_t *blk, int c, uint8_t *out) {
         }
 }
 
+/* Q6_K's panels, AVX2 builds only (on AVX-512 its in-register row path was the faster): block b
+ * of a panel, 3360 bytes (16 x 210, the raw bytes rearranged): the low 4 bits as Q4_K's nibbles
+ * (32 x 64 bytes), the high 2 bits of each group of 16 elements' 4 quads in 64 bytes (byte 4c + e:
+ * quad 4g + k's element e of column c at bits 2k), the 16 group scales as int8 [g][c], 16 fp16 d. */
+#if defined(__AVX2__) && defined(__F16C__) && !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#define PACKED_Q6K 1
+#else
+#define PACKED_Q6K 0
+#endif
+enum { Q6K_HI = 2048, Q6K_SC = 3072, Q6K_D = 3328, Q6K_BYTES = 3360 };
+
+/* column c of one packed Q6_K super-block from the unpacked row (u of block b) and its raw
+ * block rb */
+static void pack_q6k_block(const unpacked_row *row, int64_t b, const uint8_t *rb, int c,
+                           uint8_t *blk) {
+    const uint8_t *u = row->u + 256 * b;
+    for (int q = 0; q < 64; q++)
+        for (int e = 0; e < 4; e++) {
+            const uint8_t v = u[4 * q + e];
+            blk[64 * (q / 2) + 4 * c + e] |= (uint8_t)((v & 0x0f) << (4 * (q % 2)));
+            blk[Q6K_HI + 64 * (q / 4) + 4 * c + e] |= (uint8_t)(((v >> 4) & 3) << (2 * (q % 4)));
+        }
+    for (int g = 0; g < 16; g++) blk[Q6K_SC + 16 * g + c] = rb[192 + g];
+    memcpy(blk + Q6K_D + 2 * c, rb + 208, 2);
+}
+
+/* pack_q6k_block's inverse: column c's raw super-block (ql, qh, scales, d as unpack_q6_k reads) */
+static void unpack_q6k_block(const uint8_t *blk, int c, uint8_t *out) {
+    uint8_t u[256];
+    for (int q = 0; q < 64; q++)
+        for (int e = 0; e < 4; e++)
+            u[4 * q + e] = (uint8_t)(((blk[64 * (q / 2) + 4 * c + e] >> (4 * (q % 2))) & 0x0f)
+                | ((blk[Q6K_HI + 64 * (q / 4) + 4 * c + e] >> (2 * (q % 4))) & 3) << 4);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *h = u + 128 * half;
+        uint8_t *ql = out + 64 * half, *qh = out + 128 + 32 * half;
+        for (int l = 0; l < 32; l++) {
+            ql[l] = (uint8_t)((h[l] & 0x0f) | (h[l + 64] & 0x0f) << 4);
+            ql[l + 32] = (uint8_t)((h[l + 32] & 0x0f) | (h[l + 96] & 0x0f) << 4);
+            qh[l] = (uint8_t)((h[l] >> 4) | (h[l + 32] >> 4) << 2 | (h[l + 64] >> 4) << 4
+                              | (h[l + 96] >> 4) << 6);
+        }
+    }
+    for (int g = 0; g < 16; g++) out[192 + g] = blk[Q6K_SC + 16 * g + c];
+    memcpy(out + 208, blk + Q6K_D + 2 * c, 2);
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* group g's scales as int16 pairs (lanes 2c, 2c + 1: column c's) and its mins as int32 */
 static inline void packed_k_group(const uint8_t *blk, int g, __m512i *sc, __m512i *mc) {

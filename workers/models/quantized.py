@@ -84,10 +84,8 @@ def _packed(segments: list[tuple[int, QuantizedWeight]], device: torch.device
     if device.type != "cpu" or not envs.current().prepack:
         return segments
     from pagedserve.kernels import native_linear_gguf as gguf
-    if not any(w.qtype in gguf.PACKED_TYPES for _, w in segments) or \
-            not gguf.packing_supported():
-        return segments
-    return [(o, gguf.pack(w) if w.qtype in gguf.PACKED_TYPES else w) for o, w in segments]
+    packed = {w.qtype for _, w in segments if gguf.packs(w.qtype)}
+    return [(o, gguf.pack(w) if w.qtype in packed else w) for o, w in segments]
 
 
 def _same_perm(a: QuantizedWeight, b: QuantizedWeight) -> bool:
