@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
               "context": args.context, "threads": torch.get_num_threads(),
               "native_variant": native.variant(), **cpu_info(),
               "copy_gb_s": round(bandwidth, 1), "weight_mb": round(weights / 2**20, 1),
-              "floor_ms": round(weights / (bandwidth * 1e9) * 1e3, 2)}
+              "floor_ms": float(f"{weights / (bandwidth * 1e9) * 1e3:.4g}")}   # tiny models too
     for batch in batches:
         repeats = max(3, int(30 / batch ** 0.5))
         shape = profile(runner, decode_items(runner, batch, args.context), repeats)
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     report[f"prefill_{args.prefill_chunk}"] = shape
     print(f"prefill chunk {args.prefill_chunk}: {shape}", file=sys.stderr)
     if 1 in batches:
-        report["b1_share_of_floor"] = round(report["floor_ms"] / report["decode_b1"]["step_ms"], 3)
+        report["b1_share_of_floor"] = float(
+            f"{report['floor_ms'] / report['decode_b1']['step_ms']:.3g}")
     bench_record.finish("profile_step", report, args.no_store, argv)
     return report
 
