@@ -278,26 +278,13 @@ static void packed_task(void *ctx, int64_t task) {
 
 #ifdef PACKED_WIDE_MIN_ROWS
 /* packed_task for many rows (AVX2): each panel spread once into a wide panel, then its passes */
+static void packed_spread(const linear_job *job, const uint8_t *panel, int live, wide_panel *p) {
+    (void)live;   /* a packed panel's short tail repeats its last row already */
+    packed_to_wide(job->qtype, panel, job->k, p);
+}
+
 static void packed_wide_task(void *ctx, int64_t task) {
-    const linear_job *job = ctx;
-    wide_panel p;
-    if (wide_storage(job->k, job->info->block, &p) != 0) {
-        __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    const int64_t first = task * job->panels_per_task;
-    int64_t last = first + job->panels_per_task;
-    if (last > job->num_panels) last = job->num_panels;
-    for (int64_t panel_index = first; panel_index < last; panel_index++) {
-        const int64_t n0 = panel_index * PACKED_COLS;
-        const int live = job->n - n0 < PACKED_COLS ? (int)(job->n - n0) : PACKED_COLS;
-        const uint8_t *panel = job->w + panel_index * job->w_stride;
-        if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
-            prefetch_bytes(panel + job->w_stride, job->w_stride);
-        packed_to_wide(job->qtype, panel, job->k, &p);
-        wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
-                            job->ldy, n0, live);
-    }
+    wide_panels(ctx, task, ((const linear_job *)ctx)->w_stride, packed_spread);
 }
 #endif
 #endif

@@ -83,19 +83,50 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
     }                                                                                            \
 }
 
-/* Q4_K: group g's scales of columns 8h .. 8h + 7 as int16 pairs, its mins as int32 */
-static inline void packed_k_group8(const uint8_t *blk, int g, int h, __m256i *sc, __m256i *mc) {
+/* The k-quants (Q4_K; Q6_K where PACKED_Q6K): group g's (16 elements, 4 quads) scales of columns
+ * 8h .. 8h + 7 as int16 pairs and its mins as int32; Q6_K's signed scales are its mins too (its
+ * w = d sc (u - 32), dm = 32 d) */
+static inline void packed_k_group8(int qtype, const uint8_t *blk, int g, int h, __m256i *sc,
+                                   __m256i *mc) {
+    if (qtype == T_Q6_K) {
+        *mc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + Q6K_SC + 16 * g + 8 * h)));
+        *sc = _mm256_or_si256(_mm256_slli_epi32(*mc, 16),
+                              _mm256_and_si256(*mc, _mm256_set1_epi32(0xffff)));
+        return;
+    }
     const __m256i t = _mm256_cvtepu8_epi32(
         _mm_loadl_epi64((const __m128i *)(blk + Q4K_SC + 16 * (g / 2) + 8 * h)));
     *mc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + Q4K_MIN + 16 * (g / 2) + 8 * h)));
     *sc = _mm256_or_si256(t, _mm256_slli_epi32(t, 16));
 }
 
-#define DEFINE_PACKED8_K_ROWS(NAME, ROWS)                                                        \
+/* quad q's 32 bytes (u: Q4_K's nibbles; Q6_K's with their high 2 bits) of columns 8h .. 8h + 7 */
+static inline __m256i packed_k_quad8(int qtype, const uint8_t *blk, int q, int h) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (q / 2) + 32 * h));
+    const __m256i lo = q % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)
+                             : _mm256_and_si256(v, low4);
+    if (qtype != T_Q6_K) return lo;
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + Q6K_HI + 64 * (q / 4) + 32 * h));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q % 4)), _mm256_set1_epi8(3)), 4));
+}
+
+/* d and dm of columns 8h .. 8h + 7, as the unpack_* functions derive them */
+static inline void packed_k_scales8(int qtype, const uint8_t *blk, int h, __m256 *d, __m256 *dm) {
+    if (qtype == T_Q6_K) {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q6K_D + 16 * h)));
+        *dm = _mm256_mul_ps(_mm256_set1_ps(32.0f), *d);
+        return;
+    }
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_D + 16 * h)));
+    *dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN + 16 * h)));
+}
+
+#define DEFINE_PACKED8_K_ROWS(NAME, QTYPE, ROWS)                                                 \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
-    const int64_t blocks = K / 256, bytes = packed_block_bytes(T_Q4_K);                          \
-    const __m256i low4 = _mm256_set1_epi8(0x0f);                                                 \
+    const int64_t blocks = K / 256, bytes = packed_block_bytes(QTYPE);                           \
     __m256 acc[ROWS][2];                                                                         \
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
@@ -106,14 +137,11 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         for (int g = 0; g < 16; g++) {                                                           \
             __m256i sc[2], mc[2];                                                                \
             if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64);        \
-            packed_k_group8(blk, g, 0, &sc[0], &mc[0]);                                          \
-            packed_k_group8(blk, g, 1, &sc[1], &mc[1]);                                          \
+            packed_k_group8(QTYPE, blk, g, 0, &sc[0], &mc[0]);                                   \
+            packed_k_group8(QTYPE, blk, g, 1, &sc[1], &mc[1]);                                   \
             for (int q = 4 * g; q < 4 * g + 4; q++)                                              \
                 for (int h = 0; h < 2; h++) {                                                    \
-                    const __m256i v = _mm256_loadu_si256(                                        \
-                        (const __m256i *)(blk + 64 * (q / 2) + 32 * h));                         \
-                    const __m256i wv = q % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)   \
-                                             : _mm256_and_si256(v, low4);                        \
+                    const __m256i wv = packed_k_quad8(QTYPE, blk, q, h);                         \
                     for (int r = 0; r < ROWS; r++)                                               \
                         i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(                 \
                             _mm256_maddubs_epi16(wv, quad_of(xq + r * K + 256 * b + 4 * q)),     \
@@ -126,78 +154,8 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
             }                                                                                    \
         }                                                                                        \
         for (int h = 0; h < 2; h++) {                                                            \
-            const __m256 d = _mm256_cvtph_ps(                                                    \
-                _mm_loadu_si128((const __m128i *)(blk + Q4K_D + 16 * h)));                       \
-            const __m256 dm = _mm256_cvtph_ps(                                                   \
-                _mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN + 16 * h)));                    \
-            for (int r = 0; r < ROWS; r++) {                                                     \
-                const __m256 dav = _mm256_set1_ps(xd[r * blocks + b]);                           \
-                const __m256 s1 = _mm256_mul_ps(d, dav), s2 = _mm256_mul_ps(dm, dav);            \
-                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_sub_ps(                              \
-                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1[r][h])),                             \
-                    _mm256_mul_ps(s2, _mm256_cvtepi32_ps(i2[r][h]))));                           \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
-    for (int r = 0; r < ROWS; r++) {                                                             \
-        _mm256_storeu_ps(out[r], acc[r][0]);                                                     \
-        _mm256_storeu_ps(out[r] + 8, acc[r][1]);                                                 \
-    }                                                                                            \
-}
-
-/* Q6_K: group g's scales of columns 8h .. 8h + 7 (signed) as int16 pairs and as int32 */
-static inline void packed_q6k_group8(const uint8_t *blk, int g, int h, __m256i *sc, __m256i *mc) {
-    *mc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + Q6K_SC + 16 * g + 8 * h)));
-    *sc = _mm256_or_si256(_mm256_slli_epi32(*mc, 16), _mm256_and_si256(*mc, _mm256_set1_epi32(0xffff)));
-}
-
-/* Q6_K quad q's 32 bytes (u = 6 bits) for columns 8h .. 8h + 7 */
-static inline __m256i packed_q6k_quad8(const uint8_t *blk, int q, int h) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (q / 2) + 32 * h));
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + Q6K_HI + 64 * (q / 4) + 32 * h));
-    const __m256i lo = q % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)
-                             : _mm256_and_si256(v, low4);
-    return _mm256_or_si256(lo, _mm256_slli_epi16(
-        _mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q % 4)), two), 4));
-}
-
-/* Q6_K's rows: Q4_K's body with a scale for each group of 16 and the scales as the mins (dm is
- * 32 d: w = d sc (u - 32)) */
-#define DEFINE_PACKED8_Q6K_ROWS(NAME, ROWS)                                                      \
-static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
-    const int64_t blocks = K / 256, bytes = Q6K_BYTES;                                           \
-    __m256 acc[ROWS][2];                                                                         \
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
-    for (int64_t b = 0; b < blocks; b++) {                                                       \
-        const uint8_t *blk = panel + b * bytes;                                                  \
-        __m256i i1[ROWS][2], i2[ROWS][2];                                                        \
-        for (int r = 0; r < ROWS; r++)                                                           \
-            i1[r][0] = i1[r][1] = i2[r][0] = i2[r][1] = _mm256_setzero_si256();                  \
-        if (ahead) prefetch_bytes(blk + 2 * bytes, bytes);                                       \
-        for (int g = 0; g < 16; g++) {                                                           \
-            __m256i sc[2], mc[2];                                                                \
-            packed_q6k_group8(blk, g, 0, &sc[0], &mc[0]);                                        \
-            packed_q6k_group8(blk, g, 1, &sc[1], &mc[1]);                                        \
-            for (int q = 4 * g; q < 4 * g + 4; q++)                                              \
-                for (int h = 0; h < 2; h++) {                                                    \
-                    const __m256i wv = packed_q6k_quad8(blk, q, h);                              \
-                    for (int r = 0; r < ROWS; r++)                                               \
-                        i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(                 \
-                            _mm256_maddubs_epi16(wv, quad_of(xq + r * K + 256 * b + 4 * q)),     \
-                            sc[h]));                                                             \
-                }                                                                                \
-            for (int r = 0; r < ROWS; r++) {                                                     \
-                const __m256i sv = _mm256_set1_epi32(xs[r * (K / 16) + 16 * b + g]);             \
-                i2[r][0] = _mm256_add_epi32(i2[r][0], _mm256_mullo_epi32(mc[0], sv));            \
-                i2[r][1] = _mm256_add_epi32(i2[r][1], _mm256_mullo_epi32(mc[1], sv));            \
-            }                                                                                    \
-        }                                                                                        \
-        for (int h = 0; h < 2; h++) {                                                            \
-            const __m256 d = _mm256_cvtph_ps(                                                    \
-                _mm_loadu_si128((const __m128i *)(blk + Q6K_D + 16 * h)));                       \
-            const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(32.0f), d);                           \
+            __m256 d, dm;                                                                        \
+            packed_k_scales8(QTYPE, blk, h, &d, &dm);                                            \
             for (int r = 0; r < ROWS; r++) {                                                     \
                 const __m256 dav = _mm256_set1_ps(xd[r * blocks + b]);                           \
                 const __m256 s1 = _mm256_mul_ps(d, dav), s2 = _mm256_mul_ps(dm, dav);            \
@@ -229,17 +187,17 @@ DEFINE_PACKED8_TYPE(q5_0, T_Q5_0)
 DEFINE_PACKED8_TYPE(q8_0, T_Q8_0)
 DEFINE_PACKED8_TYPE(i4g, T_I4G)
 
-DEFINE_PACKED8_K_ROWS(packed_q4_k_1, 1)
-DEFINE_PACKED8_K_ROWS(packed_q4_k_2, 2)
-DEFINE_PACKED8_K_ROWS(packed_q4_k_3, 3)
-DEFINE_PACKED8_K_ROWS(packed_q4_k_4, 4)
+DEFINE_PACKED8_K_ROWS(packed_q4_k_1, T_Q4_K, 1)
+DEFINE_PACKED8_K_ROWS(packed_q4_k_2, T_Q4_K, 2)
+DEFINE_PACKED8_K_ROWS(packed_q4_k_3, T_Q4_K, 3)
+DEFINE_PACKED8_K_ROWS(packed_q4_k_4, T_Q4_K, 4)
 static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
     packed_q4_k_1, packed_q4_k_2, packed_q4_k_3, packed_q4_k_4};
 
-DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_1, 1)
-DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_2, 2)
-DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_3, 3)
-DEFINE_PACKED8_Q6K_ROWS(packed_q6_k_4, 4)
+DEFINE_PACKED8_K_ROWS(packed_q6_k_1, T_Q6_K, 1)
+DEFINE_PACKED8_K_ROWS(packed_q6_k_2, T_Q6_K, 2)
+DEFINE_PACKED8_K_ROWS(packed_q6_k_3, T_Q6_K, 3)
+DEFINE_PACKED8_K_ROWS(packed_q6_k_4, T_Q6_K, 4)
 static const packed_rows_fn packed_q6_k[PACKED_ROWS] = {
     packed_q6_k_1, packed_q6_k_2, packed_q6_k_3, packed_q6_k_4};
 
@@ -248,53 +206,26 @@ static const packed_rows_fn packed_q6_k[PACKED_ROWS] = {
  * mins as int32), then gguf_wide.h's passes of WIDE_ROWS rows read bytes with nothing left to
  * unpack: the same integer sums and terms, so the same bits. */
 static void packed_to_wide(int qtype, const uint8_t *panel, int64_t K, wide_panel *p) {
-    if (qtype == T_Q6_K) {
-        for (int64_t b = 0; b < K / 256; b++) {
-            const uint8_t *blk = panel + b * Q6K_BYTES;
-            for (int q = 0; q < 64; q++)
-                for (int h = 0; h < 2; h++)
-                    _mm256_storeu_si256((__m256i *)(p->wq + (b * 64 + q) * WIDE * 4 + 32 * h),
-                                        packed_q6k_quad8(blk, q, h));
-            for (int g = 0; g < 16; g++)
-                for (int h = 0; h < 2; h++) {
-                    __m256i sc, mc;
-                    packed_q6k_group8(blk, g, h, &sc, &mc);
-                    _mm256_storeu_si256((__m256i *)(p->sc + ((b * 16 + g) * WIDE + 8 * h) * 2), sc);
-                    _mm256_storeu_si256((__m256i *)(p->mc + (b * 16 + g) * WIDE + 8 * h), mc);
-                }
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(
-                    _mm_loadu_si128((const __m128i *)(blk + Q6K_D + 16 * h)));
-                _mm256_storeu_ps(p->d + b * WIDE + 8 * h, d);
-                _mm256_storeu_ps(p->dm + b * WIDE + 8 * h, _mm256_mul_ps(_mm256_set1_ps(32.0f), d));
-            }
-        }
-        return;
-    }
-    if (qtype == T_Q4_K) {
-        const int64_t bytes = packed_block_bytes(T_Q4_K);
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (qtype == T_Q4_K || qtype == T_Q6_K) {
+        const int64_t bytes = packed_block_bytes(qtype);
         for (int64_t b = 0; b < K / 256; b++) {
             const uint8_t *blk = panel + b * bytes;
             for (int q = 0; q < 64; q++)
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (q / 2) + 32 * h));
+                for (int h = 0; h < 2; h++)
                     _mm256_storeu_si256((__m256i *)(p->wq + (b * 64 + q) * WIDE * 4 + 32 * h),
-                                        q % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)
-                                              : _mm256_and_si256(v, low4));
-                }
+                                        packed_k_quad8(qtype, blk, q, h));
             for (int g = 0; g < 16; g++)
                 for (int h = 0; h < 2; h++) {
                     __m256i sc, mc;
-                    packed_k_group8(blk, g, h, &sc, &mc);
+                    packed_k_group8(qtype, blk, g, h, &sc, &mc);
                     _mm256_storeu_si256((__m256i *)(p->sc + ((b * 16 + g) * WIDE + 8 * h) * 2), sc);
                     _mm256_storeu_si256((__m256i *)(p->mc + (b * 16 + g) * WIDE + 8 * h), mc);
                 }
             for (int h = 0; h < 2; h++) {
-                _mm256_storeu_ps(p->d + b * WIDE + 8 * h, _mm256_cvtph_ps(
-                    _mm_loadu_si128((const __m128i *)(blk + Q4K_D + 16 * h))));
-                _mm256_storeu_ps(p->dm + b * WIDE + 8 * h, _mm256_cvtph_ps(
-                    _mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN + 16 * h))));
+                __m256 d, dm;
+                packed_k_scales8(qtype, blk, h, &d, &dm);
+                _mm256_storeu_ps(p->d + b * WIDE + 8 * h, d);
+                _mm256_storeu_ps(p->dm + b * WIDE + 8 * h, dm);
             }
         }
         return;

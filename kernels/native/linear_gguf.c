@@ -297,7 +297,13 @@ static int8_t *x_scratch(int64_t bytes) {
 #ifdef __AVX2__
 #include "gguf_wide.h"
 
-static void wide_task(void *ctx, int64_t task) {
+/* Spreads the weight's panel at `panel` (`live` of its WIDE columns real) into p */
+typedef void (*wide_spread_fn)(const linear_job *job, const uint8_t *panel, int live,
+                               wide_panel *p);
+
+/* A task's panels of WIDE columns (each `panel_bytes` of the weight's bytes): spread once, then
+ * every row of x against it. Raw rows (wide_task) and packed panels (gguf_packed.h) alike. */
+static void wide_panels(void *ctx, int64_t task, int64_t panel_bytes, wide_spread_fn spread) {
     const linear_job *job = ctx;
     wide_panel p;
     if (wide_storage(job->k, job->info->block, &p) != 0) {
@@ -310,12 +316,23 @@ static void wide_task(void *ctx, int64_t task) {
     for (int64_t panel_index = first; panel_index < last; panel_index++) {
         const int64_t n0 = panel_index * WIDE;
         const int live = job->n - n0 < WIDE ? (int)(job->n - n0) : WIDE;
-        wide_unpack(job->info, job->w + n0 * job->w_stride, job->w_stride, live, job->k, &p);
+        const uint8_t *panel = job->w + panel_index * panel_bytes;
+        spread(job, panel, live, &p);
         if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
-            prefetch_bytes(job->w + (n0 + WIDE) * job->w_stride, WIDE * job->w_stride);
+            prefetch_bytes(panel + panel_bytes, panel_bytes);
         wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
                             job->ldy, n0, live);
     }
+}
+
+static void wide_spread_raw(const linear_job *job, const uint8_t *panel, int live,
+                            wide_panel *p) {
+    wide_unpack(job->info, panel, job->w_stride, live, job->k, p);
+}
+
+static void wide_task(void *ctx, int64_t task) {
+    const linear_job *job = ctx;
+    wide_panels(ctx, task, WIDE * job->w_stride, wide_spread_raw);
 }
 #define WIDE_MIN_ROWS 4   /* from here on, the wide panels (fewer rows take the row paths) */
 #endif
