@@ -34,6 +34,7 @@ def test_wheel_installs_only_pagedserve(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pagedserve"}
     assert "pagedserve/kernels/native/paged_attention.h" in names   # C sources ship too
+    assert "pagedserve/pipeline/ingress/webui/index.html" in names   # and the web page
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)

@@ -34,6 +34,7 @@ from pagedserve.pipeline.ingress.replica_secret import ReplicaSecretCheck
 from pagedserve.pipeline.ingress.responses_api import RESPONSES_MODELS, add_responses_route
 from pagedserve.pipeline.ingress.tokenize import REQUEST_MODELS as TOKENIZE_MODELS
 from pagedserve.pipeline.ingress.tokenize import add_token_routes
+from pagedserve.pipeline.ingress.webui import add_webui_routes, ingress_state
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -112,6 +113,8 @@ def build_app(ctx: IngressContext,
     add_infill_route(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
     add_messages_route(app, ctx, LIMIT_ERRORS)  # Anthropic's API: its own errors and keys
     add_responses_route(app, ctx, dependencies=[Depends(check_api_key)], errors=v1_errors)
+    # the web page (open: it asks for the key) and its engine panel's state (behind the key)
+    add_webui_routes(app, ingress_state(ctx), dependencies=[Depends(check_api_key)])
 
     @app.get("/health", response_class=Response, responses={**HEALTH_RESPONSES, **LIMIT_ERRORS})
     async def health() -> Response:

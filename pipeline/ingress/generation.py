@@ -68,6 +68,10 @@ async def _timed(ctx: IngressContext, req: EngineRequest, arrival: float, priori
     except (ConnectionError, RuntimeError) as exc:
         raise APIError(503, f"the engine is unavailable: {exc}", type="server_error",
                        code="engine_unavailable") from None
+    except (GeneratorExit, asyncio.CancelledError):  # the client left: the engine aborts it
+        if req.pooling is None:
+            timer.abandoned(req.params.n)
+        raise
     finally:
         await stream.aclose()
 

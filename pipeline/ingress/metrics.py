@@ -149,6 +149,17 @@ class IngressMetrics:
         self.queue_time = queue_time.labels(model_name)
         self.engine = EngineStatsCollector(model_name, queue_time)
         self.registry.register(self.engine)
+        self._aborted = 0  # samples the client left unfinished (also request_success "abort")
+
+    def count_aborted(self, num_samples: int) -> None:
+        """Samples of a request whose client went away (or stopped it) before they finished:
+        the engine aborts them, and no finish reason reaches this ingress."""
+        if num_samples > 0:
+            self._aborted += num_samples
+            self.request_success.labels(self.model_name, "abort").inc(num_samples)
+
+    def aborted_samples(self) -> int:
+        return self._aborted
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -160,13 +171,14 @@ class IngressMetrics:
 class RequestTimer:
     """Timing of one engine request (all its n samples), fed with each delta as it arrives."""
 
-    __slots__ = ("metrics", "arrival", "first_token", "last_token")
+    __slots__ = ("metrics", "arrival", "first_token", "last_token", "num_finished")
 
     def __init__(self, metrics: IngressMetrics, arrival: float):
         self.metrics = metrics
         self.arrival = arrival
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}
+        self.num_finished = 0
 
     def submitted(self, now: float) -> None:
         self.metrics.queue_time.observe(max(0.0, now - self.arrival))
@@ -182,7 +194,12 @@ class RequestTimer:
                 self.metrics.tpot.observe((now - prev) / num_tokens)
             self.last_token[delta.index] = now
         if delta.finish_reason is not None:
+            self.num_finished += 1
             self.metrics.request_success.labels(self.metrics.model_name, delta.finish_reason).inc()
 
     def finished(self, now: float) -> None:
         self.metrics.e2e.observe(now - self.arrival)
+
+    def abandoned(self, num_samples: int) -> None:
+        """The stream was closed before its `num_samples` samples all finished."""
+        self.metrics.count_aborted(num_samples - self.num_finished)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.pipeline.config import ServerArgs
@@ -22,6 +22,7 @@ from pagedserve.pipeline.ingress.errors import APIError
 from pagedserve.pipeline.ingress.limits import HeaderLimits
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
 from pagedserve.pipeline.ingress.validation import read_json_object
+from pagedserve.pipeline.ingress.webui import add_webui_routes
 from pagedserve.pipeline.router.infill import stream_infill
 from pagedserve.pipeline.router.models import ModelUnavailable
 from pagedserve.pipeline.router.passthrough import anthropic_error, stream_messages
@@ -30,6 +31,7 @@ from pagedserve.pipeline.router.ratelimit import retry_after_header
 from pagedserve.pipeline.router.responses import stream_responses
 from pagedserve.pipeline.router.service import Routed, RouterError, RouterService
 from pagedserve.pipeline.router.upstream import DONE, ReplicaRefused
+from pagedserve.pipeline.router.webui import router_state
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The ingress's limit (ServerArgs.max_request_bytes): a larger body would only be refused by
@@ -157,6 +159,10 @@ def build_router_app(service: RouterService, api_keys: list[str],
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(service.core), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    # the engines' web page; its /engine/state lists every replica, behind the keys
+    app.add_exception_handler(RouterError, lambda _request, exc: _error(exc))
+    add_webui_routes(app, router_state(service), dependencies=[Depends(keys.caller)])
 
     return app
 
