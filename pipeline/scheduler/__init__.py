@@ -3,7 +3,8 @@ from pagedserve.pipeline.scheduler.admission import QueueFull, RequestRejected
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.policy import FCFSPolicy, PriorityPolicy, make_policy
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
-from pagedserve.pipeline.scheduler.scheduler import Recovery, Scheduler, SchedulerStats
+from pagedserve.pipeline.scheduler.scheduler import Scheduler
+from pagedserve.pipeline.scheduler.step_outputs import Recovery, SchedulerStats
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "Recovery", "RequestRejected", "QueueFull",
            "FCFSPolicy", "PriorityPolicy", "make_policy", "PreemptionChooser",

@@ -1,7 +1,7 @@
 """Preemption: which running sequence to push out, and whether to swap or recompute it.
 
 The victim is the running sequence with the largest policy key not yet planned this step
-(`pick_victim`); the Scheduler moves it out (its `_preempt`).
+(`pick_victim`); the Scheduler moves it out (`RequestLifecycle.preempt`).
 
 Swap or recompute, by a cost model (seconds to get a preempted sequence of T tokens back to
 where it was):

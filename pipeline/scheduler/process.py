@@ -291,7 +291,7 @@ class SchedulerProcess:
                 "ahead": plan.ahead, "schedule_ms": schedule_ms,
                 "round_trip_ms": (received - since) * 1e3,
                 "update_ms": (updated - received) * 1e3,
-                "waiting": len(self.service.scheduler.waiting)}
+                "waiting": len(self.service.scheduler.queues.waiting)}
         if timings:
             line |= {"send_ms": (timings["received"] - since) * 1e3,
                      "return_ms": (received - timings["sent"]) * 1e3,

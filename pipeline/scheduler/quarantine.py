@@ -45,6 +45,10 @@ class Quarantine:
         trial = self.on_trial
         return req.request_id in self.suspects and trial is not None and trial is not req
 
+    def holds_back(self, req: RequestState) -> bool:
+        """`holds`, at the cost of a truth test while nobody is a suspect (the common case)."""
+        return bool(self.suspects) and self.holds(req)
+
     def begin_trial(self, req: RequestState) -> None:
         """`req` joins a step: a suspect joining is the one on trial."""
         if self.suspects and req.request_id in self.suspects:

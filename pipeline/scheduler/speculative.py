@@ -7,7 +7,7 @@ that occurred earlier is looked up, and the tokens that followed its latest earl
 are the drafts. The workers compute the last token and the drafts in one forward, rank 0
 verifies them (workers/sampling/speculative.py: exact for greedy, rejection sampling for sampled
 requests) and returns how many it accepted; the scheduler appends those and the token sampled
-after them (bookkeeping.py: `update`; results.py).
+after them (`Scheduler.update`; results.py).
 
 The lookup is an index per sequence, kept up to date as tokens are appended: each n-gram that
 has a token after it maps to where its latest occurrence ends, so a proposal costs a few dict

@@ -1,8 +1,10 @@
-"""What `Scheduler.update` (and an abort or stop) hands back: one SequenceOutput per sample
-that gained tokens or finished, the plain ones kept as columns (`StepOutputs`)."""
+"""What the Scheduler hands back: from `update` (and an abort or stop) one SequenceOutput per
+sample that gained tokens or finished, the plain ones kept as columns (`StepOutputs`); from
+`stats` its counts (`SchedulerStats`); from `reset_device_state` what it did (`Recovery`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence as CollectionSequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -75,3 +77,32 @@ class StepOutputs(CollectionSequence):
 
     def __repr__(self) -> str:
         return f"StepOutputs({list(self)!r})"
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What `reset_device_state` did: sequences queued for recompute, and requests failed
+    because they were in quarantine.MAX_CRASHES steps in a row that crashed the workers
+    (request id, the message for its client)."""
+    recomputed: int
+    failed: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens of admitted requests, cumulative
+    generation_tokens: int  # sampled tokens, cumulative
+    iteration_tokens: int  # tokens computed in the last step
+    # n-gram speculation, cumulative: verifications, draft tokens proposed and accepted, and
+    # accepted per draft position (vLLM's spec_decode counters)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -127,7 +127,7 @@ def test_step_outputs_read_like_a_list_of_sequence_outputs():
     sched, worker = make_scheduler(10, block_size=4)
     sched.add(Request("a", [1, 2, 3], SP(max_tokens=10)))
     step(sched, worker)
-    seq = sched.running[0]
+    seq = sched.queues.running[0]
     extra = SequenceOutput("z", 0, [5], "stop", True)
     out = StepOutputs([seq], [7], [extra])
     assert len(out) == 2

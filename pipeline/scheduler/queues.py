@@ -1,0 +1,111 @@
+"""Where each live sequence waits or runs, and the counts the caps are checked against.
+
+`SequenceQueues` is the one owner of the queues and their counts: the waiting and swapped heaps
+(by policy key; a sequence that left one lazily stays until it reaches the top), the running
+sequences in step order - decodes (`running`) before prompts part-way through (`prefilling`) -
+and `num_unforked`, the room held under max_num_seqs for samples a parent forks once its
+prompt is done. Every move of a sequence between them is one method here, which also records
+its status on the sequence.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+SWAPPED = SequenceStatus.SWAPPED
+
+
+class SequenceQueues:
+    def __init__(self, key: Callable[[Sequence], tuple], max_num_seqs: int) -> None:
+        self.key = key
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[tuple[tuple, Sequence]] = []
+        self.swapped: list[tuple[tuple, Sequence]] = []
+        self.running: list[Sequence] = []  # decoding; finished ones dropped at the next step
+        self.prefilling: list[Sequence] = []  # admitted, prompt (or recompute) not done yet
+        # The next step's running list is built in the last one's: a list that lives on is not
+        # traversed again by every young-generation garbage collection.
+        self._spare: list[Sequence] = []
+        self.num_running = self.num_waiting = self.num_swapped = self.num_unforked = 0
+
+    def room_for(self, num_seqs: int) -> bool:
+        """num_seqs more sequences fit under max_num_seqs, counting samples not yet forked."""
+        return self.num_running + self.num_unforked + num_seqs <= self.max_num_seqs
+
+    def next_running(self) -> list[Sequence]:
+        """An empty list for the step being planned to fill with its decodes."""
+        return self._spare
+
+    def planned(self, running: list[Sequence], prefilling: list[Sequence]) -> None:
+        """The step's decodes and prompts in progress, in the order the next step takes them."""
+        old, self.running, self.prefilling = self.running, running, prefilling
+        old.clear()
+        self._spare = old
+
+    def head(self, heap: list[tuple[tuple, Sequence]], status: SequenceStatus
+             ) -> Sequence | None:
+        """The first sequence of `heap` still in `status` (the ones that left are dropped)."""
+        while heap and heap[0][1].status is not status:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
+
+    def push_waiting(self, seq: Sequence) -> None:
+        seq.queued()
+        self.num_waiting += 1
+        heapq.heappush(self.waiting, (self.key(seq), seq))
+
+    def push_swapped(self, seq: Sequence) -> None:
+        seq.swapped_out()
+        self.num_swapped += 1
+        heapq.heappush(self.swapped, (self.key(seq), seq))
+
+    def admit_head(self) -> Sequence:
+        """The waiting head (`head` has found it) starts running."""
+        seq = heapq.heappop(self.waiting)[1]
+        self.num_waiting -= 1
+        self.start(seq)
+        return seq
+
+    def swap_in_head(self) -> Sequence:
+        seq = heapq.heappop(self.swapped)[1]
+        self.num_swapped -= 1
+        self.start(seq)
+        return seq
+
+    def start(self, seq: Sequence) -> None:
+        seq.started()
+        self.num_running += 1
+        self.num_unforked += seq.request.num_seq_slots - 1
+
+    def forked(self, num_children: int) -> None:
+        """A parent's samples forked: they run, in the room held for them."""
+        self.num_running += num_children
+        self.num_unforked -= num_children
+
+    def leave(self, seq: Sequence) -> None:
+        """Before `seq` leaves its queue (preempted or finished): the counts drop."""
+        if seq.status is RUNNING:
+            self.num_running -= 1
+            self.num_unforked -= seq.request.num_seq_slots - 1
+        elif seq.status is SWAPPED:
+            self.num_swapped -= 1
+        elif seq.status is WAITING:
+            self.num_waiting -= 1
+
+    def rebuild(self, swapped: list[Sequence], waiting: list[Sequence]) -> None:
+        """After the workers lost the device pool: nothing runs, these wait or stay swapped."""
+        self.running, self.prefilling = [], []
+        self.num_running = self.num_unforked = 0
+        for seq in swapped:
+            seq.swapped_out()
+        for seq in waiting:
+            seq.queued()
+        self.swapped = [(self.key(seq), seq) for seq in swapped]
+        self.waiting = [(self.key(seq), seq) for seq in waiting]
+        heapq.heapify(self.swapped)
+        heapq.heapify(self.waiting)
+        self.num_swapped, self.num_waiting = len(swapped), len(waiting)

@@ -1,0 +1,343 @@
+"""The one scheduling rule, applied to every live sequence of a step.
+
+Every sequence's computed tokens catch up with its known tokens (prompt, outputs, drafts) as
+far as the step's token budget allows - a chunk of them where chunked prefill allows - taking
+the blocks that needs, by preempting (policy order, largest key first) when the pool is short.
+Sequences meet the rule in this order: decodes, prompts part-way through, swapped sequences
+coming back (not in a step that swapped some out), then waiting ones admitted in policy order
+while the sequence cap, the budget and free blocks (above the watermark) allow; a prefix-cache
+hit counts as computed. Under a policy that allows it, a waiting request short of blocks first
+preempts the sequences it outranks.
+
+How a decision is written into the plan is the plan builder's (plan.py): the steady decode is a
+column entry (a *lane*, decided once the sequence's lane_cap is known), everything else a
+per-sequence entry. `StepRule` changes sequences only through their transitions, the queues and
+the lifecycle through their methods, and the KV manager through its own.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+
+from pagedserve.pipeline.messages import NewSeq, ScheduledSeq
+from pagedserve.pipeline.scheduler.config import SchedulerConfig
+from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
+from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
+from pagedserve.pipeline.scheduler.preemption import pick_victim
+from pagedserve.pipeline.scheduler.queues import SequenceQueues
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.scheduler.slots import can_swap_in, grow
+
+SEQ_ID = attrgetter("seq_id")
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+SWAPPED = SequenceStatus.SWAPPED
+
+
+class StepRule:
+    def __init__(self, config: SchedulerConfig, kv, queues: SequenceQueues,
+                 life: RequestLifecycle, policy, num_watermark_blocks: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.queues = queues
+        self.life = life
+        self.policy = policy
+        self.block_size = config.block_size
+        self.sliding_window = config.sliding_window
+        self.num_watermark_blocks = num_watermark_blocks
+
+    def plan(self, b: PlanBuilder) -> None:
+        """Apply the rule to every live sequence, in step order, into the plan `b`."""
+        q = self.queues
+        if self.policy.preempts_for_waiting and q.waiting and q.num_running:
+            self._preempt_for_waiting(b)
+        decodes, chunks = q.next_running(), []
+        self._schedule_decodes(b, decodes)
+        for seq in q.prefilling:
+            if seq.status is RUNNING:
+                if self.sliding_window:
+                    self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
+                self._place(seq, self._catch_up(seq, b), decodes, chunks)
+        if q.swapped and not b.swap_out:
+            self._swap_in(b, decodes, chunks)
+        if q.waiting:
+            self._admit_waiting(b, decodes, chunks)
+        q.planned(decodes, chunks)
+
+    def _schedule_decodes(self, b: PlanBuilder, decodes: list[Sequence]) -> None:
+        """The rule for every decoding sequence, in running order. One whose next step is
+        already known to be a steady decode (at most lane_cap tokens: plan.py) is written
+        straight into the decode columns, its token counted as computed at once (nothing reads
+        the count before the result is back, and a lost step recomputes everything); the
+        others go through `_decode` at the same point in the order."""
+        keep = decodes.append
+        lanes = b.lanes
+        add_lane, add_lane_token = lanes.append, b.lane_tokens.append
+        add_fill = b.lane_fills.append
+        bs, step_id = self.block_size, b.step_id
+        caching = self.config.enable_prefix_caching
+        budget = b.budget
+        for seq in self.queues.running:
+            tokens = seq.token_ids
+            n = len(tokens)
+            if n > seq.lane_cap or budget <= 0:  # not a lane (a finished or preempted one's is -1)
+                b.budget = budget
+                is_lane = self._decode(seq, b, keep)
+                budget = b.budget
+                if not is_lane:
+                    continue
+            add_lane(seq)
+            add_lane_token(tokens[-1])
+            seq.plan_lane(step_id, n)
+            if caching and not n % bs:
+                add_fill(seq)
+            budget -= 1
+            keep(seq)
+        b.budget = budget
+        b.lane_ids = list(map(SEQ_ID, lanes))
+
+    def _decode(self, seq: Sequence, b: PlanBuilder, keep) -> bool:
+        """A decoding sequence past its lane_cap (or with no budget left): skipped if it
+        finished or was preempted meanwhile, else its catch-up planned here - with drafts
+        when it speculates. True when the decision is a lane after all, for the caller to
+        encode: a one-token decode whose new block `reserve_slots` gives (not a shared last
+        block, not a short pool) and whose token cannot end it by length."""
+        if seq.status is not RUNNING:
+            return False  # finished or preempted since
+        if self.sliding_window:  # its lane_cap ends where its next block slides out
+            self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
+        if seq.request.speculates and self._schedule_drafts(seq, b):
+            keep(seq)
+            return False
+        n = len(seq.token_ids)
+        if (not self.config.decode_lanes or seq.num_computed_tokens + 1 != n
+                or seq.num_reserved_tokens >= n or seq.needs_full_send or b.budget <= 0):
+            self._catch_up(seq, b)
+            if seq.status is RUNNING:
+                keep(seq)
+            return False
+        if n <= seq.num_blocks_sent * self.block_size and not seq.shared_tail:
+            new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+            seq.hold_slots(n, reported=False)
+        else:
+            new_blocks = self.kv.reserve_slots(seq.seq_id, n)
+            if new_blocks is None:  # its last block is shared, or the pool is short
+                self._catch_up(seq, b)
+                if seq.status is RUNNING:
+                    keep(seq)
+                return False
+            seq.hold_slots(n, reported=True)
+            seq.sent_blocks_upto(seq.num_blocks_sent + len(new_blocks))
+        if not (new_blocks and seq.num_tokens_sent + 1 == n
+                and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
+            self._plan_tokens(seq, 1, new_blocks, b)
+            keep(seq)
+            return False
+        seq.sent_tokens_upto(n)  # a lane that opens a new block: on with the lanes
+        b.add_lane_blocks(new_blocks)
+        seq.lanes_until(self.lane_cap(seq))
+        return True
+
+    def _schedule_drafts(self, seq: Sequence, b: PlanBuilder) -> bool:
+        """A steady decode of a speculating request: its last token and up to k drafts from
+        its own context, in one forward. False (nothing planned) when nothing recurs, the
+        budget or max_tokens leave no room, or the pool is short for the drafts' slots: it
+        decodes one token as usual, which may preempt; drafts never do."""
+        tokens, spec = seq.token_ids, self.config.speculative
+        n = len(tokens)
+        if (seq.num_computed_tokens + 1 != n or seq.needs_full_send
+                or 0 < spec.disable_by_batch_size < self.queues.num_running):
+            return False
+        req = seq.request
+        k = min(spec.num_speculative_tokens, b.budget - 1,
+                req.num_prompt_tokens + req.max_output_tokens - n - 1,
+                self.config.max_model_len - n)
+        if k <= 0:
+            return False
+        drafts = self.life.proposer.propose(seq.seq_id, tokens, k)
+        if not drafts or not grow(seq, 1 + len(drafts), self.kv, b.copy):
+            return False
+        seq.propose(drafts)
+        self._emit(seq, 1, b, drafts)
+        return True
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """The rule's token count: all that remains, else what the budget leaves when chunked
+        prefill allows a part (0: none)."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _catch_up(self, seq: Sequence, b: PlanBuilder) -> bool:
+        """The rule for a running sequence: plan its computed tokens up to its known ones
+        within the budget, preempting by policy when blocks are short (itself, last). Whether
+        it reaches the end of its tokens (a sequence preempted meanwhile is dropped)."""
+        remaining = len(seq.token_ids) - seq.num_computed_tokens
+        chunk = self._chunk(remaining, b.budget)
+        if chunk and self._reserve_or_preempt(seq, chunk, b):
+            self._emit(seq, chunk, b)
+        return chunk == remaining
+
+    @staticmethod
+    def _place(seq: Sequence, caught_up: bool, decodes: list[Sequence],
+               chunks: list[Sequence]) -> None:
+        """A planned sequence's place in the next step's order: decodes, then prompts."""
+        if seq.status is RUNNING:
+            (decodes if caught_up else chunks).append(seq)
+
+    def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
+        q, kv = self.queues, self.kv
+        while b.budget and q.room_for(1):
+            seq = q.head(q.swapped, SWAPPED)
+            if (seq is None or not q.room_for(seq.request.num_seq_slots)
+                    or self.life.quarantine.holds_back(seq.request)):
+                break  # none left, a parent whose samples fork, or another suspect on trial
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            chunk = self._chunk(remaining, b.budget)
+            if not can_swap_in(seq, chunk, kv, self.num_watermark_blocks):
+                break
+            q.swap_in_head()
+            self.life.quarantine.begin_trial(seq.request)
+            b.swap_in.extend(kv.swap_in(seq.seq_id, seq.num_computed_tokens))
+            seq.table_changed()
+            # Fresh slots beyond the swapped-in table come without preempting anyone now: a
+            # sequence swapped in and out in one step would undo itself.
+            if chunk and grow(seq, chunk, kv, b.copy):
+                self._emit(seq, chunk, b)
+            self._place(seq, chunk == remaining, decodes, chunks)
+
+    def _admit_waiting(self, b: PlanBuilder, decodes: list[Sequence],
+                       chunks: list[Sequence]) -> None:
+        q = self.queues
+        while b.budget and q.room_for(1):
+            seq = q.head(q.waiting, WAITING)
+            if (seq is None or seq.preempted_step == b.step_id
+                    or not q.room_for(seq.request.num_seq_slots)
+                    or self.life.quarantine.holds_back(seq.request)):
+                break  # none left, pushed out this very step, its samples would not fit, or
+                # another suspect is on trial
+            caught_up = self._admit(seq, b)
+            if caught_up is None:
+                break  # head-of-line blocking keeps the order fair (no starvation)
+            self.life.quarantine.begin_trial(seq.request)
+            self._place(seq, caught_up, decodes, chunks)
+
+    def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
+        """Allocate and schedule a waiting sequence's first chunk. None: it does not fit now;
+        else whether the chunk completes its tokens."""
+        kv, req, tokens = self.kv, seq.request, seq.token_ids
+        total = len(tokens)
+        # A pooling that reads every prompt token's hidden state computes them all in one step
+        # (pipeline/pooling.py): no cached prefix, no chunks. A request that still wants its
+        # prompt logprobs computes every position too (its blocks are cached all the same).
+        whole = req.pooling is not None and self.config.pooling_whole_prompt
+        reads_cache = (self.config.enable_prefix_caching and not whole
+                       and not req.wants_prompt_logprobs)
+        cached = kv.lookup_prefix(tokens, req.cache_salt) if reads_cache else 0
+        chunk = total - cached
+        if chunk > b.budget:
+            if whole or not self.config.enable_chunked_prefill:
+                return None
+            chunk = b.budget
+        if not kv.can_allocate(chunk, num_cached_tokens=cached):
+            return None  # the watermark keeps room for running sequences to grow
+        got = kv.allocate(seq.seq_id, () if whole else tokens, chunk, req.cache_salt,
+                          read_cache=reads_cache)
+        if got is None:
+            return None
+        seq.admitted(got, chunk)
+        chunk = min(chunk, total - got)
+        self.queues.admit_head()
+        self.life.admitted(req)
+        self._emit(seq, chunk, b)
+        return got + chunk == total
+
+    # ------------------------------------------------------------------ plan entries
+
+    def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder,
+              drafts: list[int] = NO_BLOCKS) -> None:
+        """Plan `seq` computing `num_tokens` (and `drafts` after them), sending only what the
+        workers lack."""
+        sid, tokens = seq.seq_id, seq.token_ids
+        if seq.needs_full_send:
+            block_ids = self.kv.block_table(sid)
+            npr = seq.num_prompt_tokens
+            b.add_full(seq, NewSeq(sid, tokens[:npr], tokens[npr:],
+                                   seq.request.sampling.for_sample(seq.index), block_ids,
+                                   seq.num_computed_tokens, self.kv.row_of(sid),
+                                   seq.request.pooling is not None), num_tokens,
+                       drafts)
+            seq.sent_in_full(len(block_ids), len(tokens))
+            self._planned(seq, num_tokens, b)
+            return
+        num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
+        new_blocks = NO_BLOCKS
+        if num_blocks > seq.num_blocks_sent:
+            new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
+            seq.sent_blocks_upto(num_blocks)
+        self._plan_tokens(seq, num_tokens, new_blocks, b, drafts)
+
+    def _plan_tokens(self, seq: Sequence, num_tokens: int, new_blocks: list[int],
+                     b: PlanBuilder, drafts: list[int] = NO_BLOCKS) -> None:
+        """A ScheduledSeq with the tokens and blocks the workers have not seen yet."""
+        tokens, sent = seq.token_ids, seq.num_tokens_sent
+        unsent = [tokens[sent]] if sent + 1 == len(tokens) else tokens[sent:]
+        if drafts or seq.spec_skip:
+            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent, drafts,
+                                 seq.take_spec_skip())
+        else:
+            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent)
+        b.add_scheduled(seq, entry)
+        seq.sent_tokens_upto(len(tokens))
+        self._planned(seq, num_tokens, b)
+
+    def _planned(self, seq: Sequence, num_tokens: int, b: PlanBuilder) -> None:
+        if not seq.planned(num_tokens, b.step_id):
+            seq.lanes_until(-1)  # mid-prefill: it samples nothing this step
+            return
+        if not seq.request.forked:
+            self.life.fork_samples(seq, b)
+        seq.lanes_until(self.lane_cap(seq) if self.config.decode_lanes else -1)
+
+    def lane_cap(self, seq: Sequence) -> int:
+        """lane_cap, and under a sliding window no further than the step (at
+        num_computed_tokens = len(token_ids) - 1) that releases its next block: that one takes
+        the general path, which slides the window first."""
+        if seq.request.speculates:
+            return -1  # its decodes may carry drafts: planned one by one
+        cap = lane_cap(seq, self.block_size)
+        if self.sliding_window:
+            cap = min(cap, self.kv.window_release_at(seq.seq_id))
+        return cap
+
+    # ------------------------------------------------------------------ blocks and preemption
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
+        """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
+        returning False) when the pool is short."""
+        q = self.queues
+        while not grow(seq, num_new, self.kv, b.copy):
+            victim = pick_victim((q.running, q.prefilling), self.policy.key, b.step_id)
+            if victim is None:
+                raise RuntimeError(f"seq {seq.seq_id} is short of blocks and no sequence is left "
+                                   "to preempt, itself included")
+            self.life.preempt(victim, b)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt_for_waiting(self, b: PlanBuilder) -> None:
+        """Let the waiting head push out running sequences it outranks when blocks are short."""
+        q = self.queues
+        head = q.head(q.waiting, WAITING)
+        if head is None:
+            return
+        tokens = head.token_ids
+        cached = (self.kv.lookup_prefix(tokens, head.request.cache_salt)
+                  if self.config.enable_prefix_caching
+                  and not head.request.wants_prompt_logprobs else 0)
+        need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
+        while not self.kv.can_allocate(need, num_cached_tokens=cached):
+            victim = pick_victim((q.running, q.prefilling), self.policy.key, b.step_id)
+            if victim is None or not self.policy.may_preempt(head, victim):
+                return
+            self.life.preempt(victim, b)
