@@ -235,7 +235,7 @@ class WorkerCore:
         return tokens
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
-                rows: list[int]) -> StepResult:
+                rows: list[int], logits_read_later: bool = False) -> StepResult:
         step_id = plan.step_id
         if not seq_ids:
             return StepResult(step_id, [], [], None, None)
@@ -245,7 +245,7 @@ class WorkerCore:
             logits = apply_grammar_masks(logits, seq_ids, plan.grammar)
         states = [self.seqs[s] for s in seq_ids]
         out = self.sampler(logits, [s.sampling for s in states], [s.token_ids for s in states],
-                           [s.num_prompt_tokens for s in states])
+                           [s.num_prompt_tokens for s in states], may_modify=not logits_read_later)
         return StepResult(step_id, seq_ids, out.token_ids, out.logprobs, out.top_logprobs)
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor, seq_ids: list[int],
@@ -255,7 +255,8 @@ class WorkerCore:
         the number accepted and the token sampled after them."""
         plain = [s for s in seq_ids if s not in drafts]
         spec = [s for s in seq_ids if s in drafts]
-        result = self._sample(plan, logits, plain, [rows[s] for s in plain])
+        result = self._sample(plan, logits, plain, [rows[s] for s in plain],
+                              logits_read_later=True)
         index = torch.tensor([rows[s] + j for s in spec for j in range(len(drafts[s]) + 1)],
                              device=logits.device)
         states = [self.seqs[s] for s in spec]

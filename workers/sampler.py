@@ -40,7 +40,10 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 token_ids: list[list[int]], num_prompt_tokens: list[int]) -> SamplerOutput:
+                 token_ids: list[list[int]], num_prompt_tokens: list[int],
+                 may_modify: bool = False) -> SamplerOutput:
+        """`may_modify`: the caller reads `logits` no more, so penalties and biases may be
+        applied to them in place instead of to a copy of the whole [N, V] (fp32 rows)."""
         num_rows = logits.shape[0]
         if not (len(params) == len(token_ids) == len(num_prompt_tokens) == num_rows):
             raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params, "
@@ -48,7 +51,10 @@ class Sampler:
         # the scheduler's admission fills unset fields; params built by hand may leave them
         params = [p.with_defaults() for p in params]
         raw_logits = logits.float()
-        logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens)
+        # Logprobs are the raw logits': taken before anything changes them.
+        raw_logprobs = _raw_logprobs(raw_logits, params)
+        logits = self._penalised(raw_logits, params, token_ids, num_prompt_tokens,
+                                 in_place=may_modify or raw_logits is not logits)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < num_rows:
@@ -63,17 +69,18 @@ class Sampler:
             chosen[index] = drawn
 
         token_list = chosen.tolist()
-        logprobs, top_logprobs = _logprobs(raw_logits, chosen, params)
+        logprobs, top_logprobs = _logprobs(raw_logprobs, chosen, params)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def _penalised(self, logits: torch.Tensor, params: list[SamplingParams],
-                   token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
-        """Penalties, then logit biases; the caller's `logits` are never changed."""
-        out = self._with_penalties(logits, params, token_ids, num_prompt_tokens)
+                   token_ids: list[list[int]], num_prompt_tokens: list[int],
+                   in_place: bool) -> torch.Tensor:
+        """Penalties, then logit biases; `logits` are changed only `in_place`."""
+        out = self._with_penalties(logits, params, token_ids, num_prompt_tokens, in_place)
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if not biased:
             return out
-        if out is logits:  # no penalty made a copy yet
+        if out is logits and not (in_place and logits.is_contiguous()):
             out = logits.clone(memory_format=torch.contiguous_format)
         vocab = out.shape[1]
         slots = [row * vocab + token for row in biased for token in params[row].logit_bias]
@@ -83,15 +90,18 @@ class Sampler:
         return out
 
     def _with_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
-                        token_ids: list[list[int]], num_prompt_tokens: list[int]) -> torch.Tensor:
+                        token_ids: list[list[int]], num_prompt_tokens: list[int],
+                        in_place: bool) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not rows:
             return logits
         slots, output_counts = token_occurrences(
             [token_ids[i] for i in rows], [num_prompt_tokens[i] for i in rows],
             logits.shape[1], rows, logits.device)
+        target = logits if in_place and logits.is_contiguous() else logits.clone(
+            memory_format=torch.contiguous_format)
         return apply_penalties(
-            logits.clone(memory_format=torch.contiguous_format), slots, output_counts,
+            target, slots, output_counts,
             presence=_row_tensor([p.presence_penalty for p in params], logits.device),
             frequency=_row_tensor([p.frequency_penalty for p in params], logits.device),
             repetition=_row_tensor([p.repetition_penalty for p in params], logits.device))
@@ -102,8 +112,13 @@ class Sampler:
         device = logits.device
         vocab_size = logits.shape[1]
         use_min_p = any(p.min_p > 0.0 for p in params)
+        # Rows with top_k / top_p divide only their candidates by the temperature (the order
+        # does not change); a whole row is divided only where min_p or a full draw needs it.
+        temperature = None
         if any(p.temperature != 1.0 for p in params):
-            logits = logits / _row_tensor([p.temperature for p in params], device).unsqueeze(1)
+            temperature = _row_tensor([p.temperature for p in params], device)
+            if use_min_p:
+                logits, temperature = logits / temperature.unsqueeze(1), None
         elif use_min_p:
             logits = logits.clone()  # min_p masks in place; the caller's tensor stays intact
         if use_min_p:
@@ -117,18 +132,21 @@ class Sampler:
 
         filtered = [i for i, p in enumerate(params) if p.top_k != -1 or p.top_p < 1.0]
         if not filtered:
-            return sample_full(logits, uniform)
+            return sample_full(_scaled(logits, temperature), uniform)
         tokens = torch.empty(len(params), dtype=torch.int64, device=device)
         plain = [i for i in range(len(params)) if params[i].top_k == -1 and params[i].top_p >= 1.0]
         if plain:
             index = torch.tensor(plain, device=device)
-            tokens[index] = sample_full(logits[index], uniform[index])
+            tokens[index] = sample_full(
+                _scaled(logits[index], None if temperature is None else temperature[index]),
+                uniform[index])
         index = torch.tensor(filtered, device=device)
         top_k = torch.tensor([min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
                               for i in filtered], dtype=torch.int64, device=device)
         top_p = _row_tensor([params[i].top_p for i in filtered], device)
         rows = logits if len(filtered) == len(params) else logits[index]
-        tokens[index] = sample_top_k_top_p(rows, top_k, top_p, uniform[index])
+        tokens[index] = sample_top_k_top_p(rows, top_k, top_p, uniform[index],
+                                           None if temperature is None else temperature[index])
         return tokens
 
 
@@ -136,15 +154,29 @@ def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams]
-              ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    """Raw-logit logprobs of the chosen tokens and the top-N, computed only for rows that ask."""
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    return logits if temperature is None else logits / temperature.unsqueeze(1)
+
+
+def _raw_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams]
+                  ) -> torch.Tensor | None:
+    """log_softmax of the raw logits of the rows that ask for logprobs (None: none asks)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
+        return None
+    if len(rows) == len(params):
+        return torch.log_softmax(raw_logits, dim=1)
+    return torch.log_softmax(raw_logits[torch.tensor(rows, device=raw_logits.device)], dim=1)
+
+
+def _logprobs(logprobs: torch.Tensor | None, chosen: torch.Tensor, params: list[SamplingParams]
+              ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """Raw-logit logprobs (`_raw_logprobs`) of the chosen tokens and the top-N, for the rows
+    that ask."""
+    if logprobs is None:
         return None, None
-    index = torch.tensor(rows, device=raw_logits.device)
-    rows_logits = raw_logits if len(rows) == len(params) else raw_logits[index]
-    logprobs = torch.log_softmax(rows_logits, dim=1)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    index = torch.tensor(rows, device=chosen.device)
     chosen_logprobs = logprobs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
     max_top = max(params[i].logprobs for i in rows)
     if max_top > 0:

@@ -306,3 +306,45 @@ def test_logit_bias_is_validated():
         SP(logit_bias={1: 101.0}).validate()
     with pytest.raises(ValueError, match="stop_token_ids contains -1, which is not a token id"):
         SP(stop_token_ids=[-1]).validate()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, seed=3),
+    SamplingParams(temperature=1.3, top_p=0.9, presence_penalty=0.5, seed=4),
+    SamplingParams(temperature=0.6, top_k=2000, seed=5, logprobs=2),
+    SamplingParams(temperature=0.8, seed=6, logit_bias={5: 3.0}),
+])
+def test_in_place_and_deferred_temperature_draw_what_scaling_every_row_first_draws(params):
+    """The worker lets the sampler change its logits (`may_modify`), and rows with top_k/top_p
+    divide only their candidates by the temperature: the tokens and logprobs are those of the
+    plain way - penalties on a copy, every row divided, then the filters - row for row."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3000) * 4
+    histories = [[(7 * r + j) % 3000 for j in range(40)] for r in range(6)]
+    rows = [params] * 6
+    kept = run(logits.clone(), rows, histories, [20] * 6)
+    changed = logits.clone()
+    fast = Sampler(seed=0)(changed, rows, histories, [20] * 6, may_modify=True)
+    assert fast.token_ids == kept.token_ids
+    assert fast.logprobs == kept.logprobs and fast.top_logprobs == kept.top_logprobs
+    # the plain way, written out: every row scaled before the filters
+    p = params.with_defaults()
+    slots, counts = token_occurrences(histories, [20] * 6, 3000)
+    ref = logits.clone()
+    if p.uses_penalties:
+        full = torch.full((6,), 1.0)
+        ref = apply_penalties(ref, slots, counts, presence=full * p.presence_penalty,
+                              frequency=full * p.frequency_penalty,
+                              repetition=full * p.repetition_penalty)
+    for token, bias in (p.logit_bias or {}).items():
+        ref[:, token] += bias
+    from pagedserve.workers.sampling.draw import sample_full, sample_top_k_top_p
+    scaled = ref / p.temperature
+    uniform = torch.tensor([seeded_uniform(p.seed, 40)] * 6)
+    if p.top_k == -1 and p.top_p >= 1.0:
+        want = sample_full(scaled, uniform)
+    else:
+        k = p.top_k if p.top_k > 0 else 3000
+        want = sample_top_k_top_p(scaled, torch.full((6,), k), torch.full((6,), p.top_p),
+                                  uniform)
+    assert fast.token_ids == want.tolist()

@@ -67,9 +67,15 @@ def sample_full(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       uniform: torch.Tensor) -> torch.Tensor:
+                       uniform: torch.Tensor, temperature: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """One token per row among the top_k tokens, then the top_p nucleus of their renormalised
     distribution (HF/vLLM order). `top_k` [r] int64 holds V where disabled, `top_p` [r] 1.0.
+
+    `temperature` [r] (> 0; None: `logits` are scaled already): a positive temperature keeps
+    the order, so candidates are picked from the raw logits and only theirs are divided - the
+    same numbers as dividing the whole row first, without a pass over the vocabulary per row
+    whose top_k fits in the candidates.
     """
     num_rows, vocab_size = logits.shape
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -83,6 +89,9 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
             values, candidate_ids = rows.sort(dim=1, descending=True)
         else:
             values, candidate_ids = rows.topk(width, dim=1)
+        if temperature is not None:
+            row_temperature = temperature[pending].unsqueeze(1)
+            values = values / row_temperature
         in_top_k = torch.arange(width, device=logits.device) < row_top_k.unsqueeze(1)
         values = values.masked_fill_(~in_top_k, float("-inf"))
         # Probabilities after top_k: normalised over the top k when they are all here, else
@@ -91,10 +100,13 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         log_norm = values.logsumexp(dim=1)
         if not bool(top_k_fits.all()):
             if not bool(top_k_fits.any()):
-                log_norm = rows.logsumexp(dim=1)
+                log_norm = _scaled(rows, row_temperature if temperature is not None
+                                   else None).logsumexp(dim=1)
             else:
                 unbounded = (~top_k_fits).nonzero().squeeze(1)
-                log_norm[unbounded] = rows[unbounded].logsumexp(dim=1)
+                log_norm[unbounded] = _scaled(
+                    rows[unbounded], None if temperature is None
+                    else row_temperature[unbounded]).logsumexp(dim=1)
         cdf = (values - log_norm.unsqueeze(1)).exp_().cumsum_(dim=1)
         # Nucleus: keep tokens up to and including the first that brings the mass to top_p.
         nucleus = (cdf < row_top_p.unsqueeze(1)).sum(dim=1) + 1
@@ -107,3 +119,7 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         if pending.numel() == 0:
             break
     return tokens
+
+
+def _scaled(rows: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    return rows if temperature is None else rows / temperature
