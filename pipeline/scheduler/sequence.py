@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.pipeline.messages import PromptLogprobs
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class Request:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     pooling: PoolingParams | None = None  # an embedding request: prefill-only
+    lora: LoRARequest | None = None  # its LoRA adapter; None: the base model
 
 
 class RequestState:
@@ -63,12 +65,12 @@ class RequestState:
     __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
                  "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
                  "num_unfinished", "forked", "queued", "crashes", "speculates", "num_drafted",
-                 "num_accepted", "num_prompt_logprobs", "pooling")
+                 "num_accepted", "num_prompt_logprobs", "pooling", "lora")
 
     def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
                  priority: int, cache_salt: str | None, num_prompt_tokens: int,
                  max_output_tokens: int, stop_ids: frozenset[int],
-                 pooling: PoolingParams | None = None) -> None:
+                 pooling: PoolingParams | None = None, lora: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.sampling = sampling
         self.arrival_time = arrival_time
@@ -95,6 +97,9 @@ class RequestState:
         # An embedding request: its one sequence computes the prompt and is pooled, never
         # sampled (max_output_tokens is 0: it never becomes a decode lane).
         self.pooling = pooling
+        # Its LoRA adapter, sent with each of its NewSeqs (a restarted worker reloads it from
+        # there); its cache_salt already carries it (pipeline/lora_request.py).
+        self.lora = lora
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -316,32 +321,8 @@ class Sequence:
         return self.request.request_id
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
-
-    @property
-    def arrival_time(self) -> float:
-        return self.request.arrival_time
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.request.sampling
-
-    @property
-    def cache_salt(self) -> str | None:
-        return self.request.cache_salt
 
     @property
     def is_finished(self) -> bool:

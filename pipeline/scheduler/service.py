@@ -187,7 +187,7 @@ class SchedulerService:
         outputs = msg.output_token_ids[0] if msg.output_token_ids else []
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           msg.arrival_time, msg.priority, msg.cache_salt, list(outputs),
-                          msg.pooling)
+                          msg.pooling, msg.lora)
         try:
             self.scheduler.add(request)
         except QueueFull as exc:
@@ -281,7 +281,7 @@ class SchedulerService:
         for rid, owner, state in live + done:
             if state is None:
                 continue
-            prompt = state.seqs[0].prompt_token_ids if state.seqs else []
+            prompt = state.seqs[0].token_ids[:state.num_prompt_tokens] if state.seqs else []
             self.send_to_detok(messages.DetokOpen(request_id=rid, client_id=owner.client_id,
                                                   prompt_token_ids=prompt, sampling=owner.sampling))
             samples = []
@@ -379,6 +379,9 @@ class SchedulerService:
             "spec_decode_num_accepted_tokens": s.spec_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(s.spec_accepted_per_pos),
             "spec_decode_request_acceptance": self.request_acceptance.to_dict()}
+        tiers = self.scheduler.kv.tiers
+        if tiers is not None:
+            spec |= tiers.stats()
         return spec | {
             "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
             "num_requests_swapped": s.num_swapped, "kv_cache_usage_perc": s.kv_usage,
