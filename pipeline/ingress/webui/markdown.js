@@ -48,20 +48,21 @@ function codeBlock(lang, lines) {
   return `<pre${label}><code>${highlight(lines.join("\n"))}</code></pre>`;
 }
 
-const LIST_ITEM = /^\s*(?:([-*+])|(\d+)[.)])\s+(.*)$/;
+const LIST_ITEM = /^\s{0,3}(?:([-*+])|(\d{1,9})[.)])\s+(.*)$/;
 
-// Markdown text as HTML.
+function listHtml(list) {
+  const start = list.start && list.start !== 1 ? ` start="${list.start}"` : "";
+  const items = list.items.map((i) => `<li>${i.map(inline).join("<br>")}</li>`).join("");
+  return `<${list.tag}${start}>${items}</${list.tag}>`;
+}
+
+// Markdown text as HTML. A list stays open across blank lines (a "loose" list) and takes
+// indented lines as its last item's continuation.
 export function renderMarkdown(text) {
   const out = [];
-  let para = [], list = null, code = null;
-  const flushPara = () => {
-    if (para.length) out.push(`<p>${para.map(inline).join("<br>")}</p>`);
-    para = [];
-  };
-  const flushList = () => {
-    if (list) out.push(`<${list.tag}>${list.items.map((i) => `<li>${inline(i)}</li>`).join("")}</${list.tag}>`);
-    list = null;
-  };
+  let para = [], list = null, code = null, blank = false;
+  const flushPara = () => { if (para.length) out.push(`<p>${para.map(inline).join("<br>")}</p>`); para = []; };
+  const flushList = () => { if (list) out.push(listHtml(list)); list = null; };
   for (const line of text.split("\n")) {
     if (code) {
       if (/^\s*```/.test(line)) { out.push(codeBlock(code.lang, code.lines)); code = null; }
@@ -71,17 +72,21 @@ export function renderMarkdown(text) {
     const fence = line.match(/^\s*```\s*([\w+#.-]*)/);
     const heading = line.match(/^(#{1,6})\s+(.*)$/);
     const item = line.match(LIST_ITEM);
-    if (fence || heading || item || !line.trim() || line.startsWith(">")) flushPara();
-    if (!item && (fence || heading || !line.trim() || line.startsWith(">"))) flushList();
+    if (!line.trim()) { flushPara(); blank = true; continue; }
+    const continues = list && !item && !fence && /^\s{2,}/.test(line);
+    if (continues) { list.items[list.items.length - 1].push(line.trim()); blank = false; continue; }
+    if (fence || heading || item || blank || line.startsWith(">")) flushPara();
+    if (!item) flushList();
+    blank = false;
     if (fence) code = { lang: fence[1], lines: [] };
     else if (heading) out.push(`<h${heading[1].length + 2}>${inline(heading[2])}</h${heading[1].length + 2}>`);
     else if (item) {
       const tag = item[1] ? "ul" : "ol";
       if (list && list.tag !== tag) flushList();
-      list = list || { tag, items: [] };
-      list.items.push(item[3]);
+      list = list || { tag, start: Number(item[2] || 1), items: [] };
+      list.items.push([item[3]]);
     } else if (line.startsWith(">")) out.push(`<blockquote>${inline(line.replace(/^>\s?/, ""))}</blockquote>`);
-    else if (line.trim()) { flushList(); para.push(line); }
+    else para.push(line);
   }
   if (code) out.push(codeBlock(code.lang, code.lines));
   flushPara();
