@@ -57,6 +57,8 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, Block] = {}
         # Called with the other pool's block id when a linked block is handed out anew.
         self.on_swap_link_broken = None
+        # Called with (block, hash) when a block becomes findable (kvmanager/tiers.py).
+        self.on_cached = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,4 +124,6 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.on_cached is not None:
+            self.on_cached(block, block_hash)
         return True

@@ -60,6 +60,13 @@ class KVCacheManager:
         self._seqs: dict[int, SeqBlocks] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self.tiers = None  # the KV tiers below the device pool (kvmanager/tiers.py), if any
+
+    def attach_tiers(self, tiers) -> None:
+        """Blocks cached from now on are stored in `tiers`, and prefixes are looked up there
+        past the device-cached blocks (kvmanager/tiers.py)."""
+        self.tiers = tiers
+        self.gpu_pool.on_cached = tiers.on_cached
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -120,6 +127,15 @@ class KVCacheManager:
         """Leading tokens already cached: whole blocks, always < len(token_ids). No side effect."""
         return len(prefix_cache.cached_prefix(self, token_ids, cache_salt)[1]) * self.block_size
 
+    def lookup_prefix_tiers(self, token_ids: Sequence[int], cache_salt: str | None = None
+                            ) -> tuple[int, int]:
+        """(leading tokens cached on the device or, after those, in a lower KV tier; of them
+        the ones in a lower tier, which `allocate` loads into fresh device blocks). No side
+        effect but the disk tier's index learning of files another replica wrote."""
+        hashes, cached = prefix_cache.cached_prefix(self, token_ids, cache_salt)
+        lower = prefix_cache.lower_tier_prefix(self, token_ids, cache_salt, hashes)
+        return (len(cached) + len(lower)) * self.block_size, len(lower) * self.block_size
+
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Full blocks among the first ``num_computed_tokens`` become findable by their hash."""
         if self.enable_prefix_caching:
@@ -160,8 +176,12 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         hashes, cached = (prefix_cache.cached_prefix(self, token_ids, cache_salt) if read_cache
                           else ([], []))
+        lower = (prefix_cache.lower_tier_prefix(self, token_ids, cache_salt, hashes)
+                 if read_cache and self.tiers is not None else [])
         num_cached_tokens = len(cached) * self.block_size
-        num_fresh = self._fresh_blocks_needed(num_new_tokens, num_cached_tokens)
+        num_lower_tokens = len(lower) * self.block_size  # loaded into fresh blocks
+        num_fresh = self._fresh_blocks_needed(num_new_tokens + num_lower_tokens,
+                                              num_cached_tokens)
         num_released = num_out_of_window(num_cached_tokens, self.sliding_window, self.block_size)
         taken = cached[num_released:]
         num_revived = sum(1 for block in taken if block.ref_cnt == 0)
@@ -174,7 +194,11 @@ class KVCacheManager:
                 f"block-table rows are in use (max_num_seqs)")
         self.gpu_pool.touch(taken)
         block_ids = [b.block_id for b in cached]
-        block_ids.extend(b.block_id for b in self.gpu_pool.allocate(num_fresh))
+        fresh = self.gpu_pool.allocate(num_fresh)
+        block_ids.extend(b.block_id for b in fresh)
+        if lower:
+            self._load_lower(lower, fresh, hashes)
+            num_cached_tokens += num_lower_tokens
         seq = SeqBlocks(block_ids, num_cached_tokens + num_new_tokens, cache_salt, hashes,
                          num_released=num_released)
         if self.block_tables is not None:
@@ -185,6 +209,15 @@ class KVCacheManager:
             self._prefix_queries += len(token_ids)
             self._prefix_hits += num_cached_tokens
         return num_cached_tokens
+
+    def _load_lower(self, lower, fresh, hashes) -> None:
+        """The leading fresh blocks take the lower tiers' blocks: cached under their hashes
+        now (the plan loads them before any step reads them) and loaded by the workers."""
+        bs, pool, tiers = self.block_size, self.gpu_pool, self.tiers
+        for (block_hash, tier), block in zip(lower, fresh):
+            pool.cache_block(block, block_hash)
+            tiers.plan_load(tier, block_hash, block.block_id, bs)
+            hashes.append(block_hash)
 
     def num_blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         """Free blocks append_slots(seq_id, num_new_tokens) would take, copy-on-write included."""
@@ -369,6 +402,9 @@ class KVCacheManager:
         for block in self.cpu_pool.blocks:
             block.swap_copy = None
         link_pools(self.gpu_pool, self.cpu_pool)
+        if self.tiers is not None:
+            self.tiers.device_lost()
+            self.gpu_pool.on_cached = self.tiers.on_cached
         return dropped
 
     # ---- swapping --------------------------------------------------------------------------

@@ -46,6 +46,25 @@ def cached_prefix(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str 
     return hashes, blocks
 
 
+def lower_tier_prefix(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str | None,
+                      hashes: list[BlockHash]) -> list[tuple[BlockHash, str]]:
+    """(hash, tier) of the leading full blocks after the device-cached ones (`hashes`) that a
+    lower KV tier holds (kvmanager/tiers.py), leaving the last prompt token to compute."""
+    found: list[tuple[BlockHash, str]] = []
+    tiers = kv.tiers
+    if tiers is None or not kv.enable_prefix_caching or kv.sliding_window:
+        return found
+    bs = kv.block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), (len(token_ids) - 1) // bs):
+        parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], cache_salt)
+        tier = tiers.find(parent)
+        if tier is None:
+            break
+        found.append((parent, tier))
+    return found
+
+
 def cache_full_blocks(kv: KVCacheManager, seq_id: int, seq: SeqBlocks,
                       token_ids: Sequence[int], num_computed_tokens: int) -> None:
     """Full blocks among the sequence's first ``num_computed_tokens`` become findable."""

@@ -92,8 +92,21 @@ class CacheArgs:
     swap_space: float = 1.0  # GiB of host swap pool
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # kernels/kv_format.py: auto, bfloat16, fp8 (e4m3), fp8_e5m2 ...
+    # KV tiers below the device pool (kvmanager/tiers.py): host-memory bytes per worker rank
+    # (0: none), and a directory of block files sized in bytes (None: no disk tier).
+    kv_offload_memory: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_size: int = 8 << 30
 
     def __post_init__(self) -> None:
+        self.kv_offload_memory = parse_bytes(self.kv_offload_memory)
+        self.kv_offload_disk_size = parse_bytes(self.kv_offload_disk_size)
+        if self.kv_offload_memory < 0 or self.kv_offload_disk_size < 0:
+            raise ValueError(f"--kv-offload-memory and --kv-offload-disk-size must be >= 0 bytes, "
+                             f"got {self.kv_offload_memory} and {self.kv_offload_disk_size}")
+        if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-memory and --kv-offload-dir keep prefix-cached blocks: "
+                             "they need --enable-prefix-caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -473,6 +486,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "fp8 (= fp8_e4m3) or fp8_e5m2; fp8 halves bf16's cache bytes and decode "
                         "attention reads, unscaled like vLLM without calibration")
     _bool_flag(p, "enable-prefix-caching", d.cache.enable_prefix_caching, "share cached prompt prefixes")
+    p.add_argument("--kv-offload-memory", type=parse_bytes, default=0,
+                   help="host-memory KV tier per worker rank (e.g. 4GiB): prefix-cached blocks "
+                        "are copied there and loaded back instead of recomputed; 0: none")
+    p.add_argument("--kv-offload-dir", default=None,
+                   help="disk KV tier: a private (0700) directory of block files that survives "
+                        "restarts and is shared by the replicas on this host")
+    p.add_argument("--kv-offload-disk-size", type=parse_bytes, default=d.cache.kv_offload_disk_size,
+                   help="bytes the disk KV tier may fill (default 8GiB); least recently used "
+                        "blocks are deleted past it")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--cpu-threads", type=int, default=None,

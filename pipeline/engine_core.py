@@ -48,6 +48,14 @@ class EngineCore:
         self.scheduler = Scheduler.from_config(
             SchedulerConfig.from_engine(config), num_gpu_blocks, num_cpu_blocks,
             eos_token_ids=config.model_info.eos_token_ids)
+        tiers = getattr(worker, "tiers", None)
+        if tiers is not None:  # the KV tiers below the device pool, as the worker built them
+            from pagedserve.kvmanager.tiers import build_tiers
+            kv_tiers = build_tiers(0 if tiers.host is None else tiers.host.shape[2],
+                                   tiers.block_nbytes, tiers.namespace if tiers.disk_dir else b"",
+                                   config.cache.kv_offload_dir, config.cache.kv_offload_disk_size)
+            if kv_tiers is not None:
+                self.scheduler.kv.attach_tiers(kv_tiers)
         self._mail: deque[tuple[transport.Dispatcher | None, Any, bytes | None]] = deque()
         self._outbox: list[Any] = []
         from pagedserve.pipeline.structured.setup import enable_structured_outputs

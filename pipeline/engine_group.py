@@ -89,6 +89,11 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--pooler-config", m.pooler_config]
     if c.kv_cache_memory:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
+    if c.kv_offload_memory:
+        argv += ["--kv-offload-memory", str(c.kv_offload_memory)]
+    if c.kv_offload_dir:
+        argv += ["--kv-offload-dir", c.kv_offload_dir,
+                 "--kv-offload-disk-size", str(c.kv_offload_disk_size)]
     if p.cpu_threads:
         argv += ["--cpu-threads", str(p.cpu_threads)]
     if p.enforce_eager:

@@ -12,7 +12,7 @@ import msgspec
 from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
-__all__ = ["PromptLogprobs", "NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "StepPlan", "StepResult", "AddRequest",
+__all__ = ["PromptLogprobs", "NewSeq", "ScheduledSeq", "Fork", "SharedTables", "GrammarMasks", "TierOps", "StepPlan", "StepResult", "AddRequest",
            "Abort", "RequestRejected", "UtilityCall", "UtilityReply", "DetokOpen", "SampleTokens",
            "TokenBatch", "TextDelta", "DeltaBatch", "RequestFailed", "StopMatched", "Hello",
            "HelloAck", "ProcessReady", "ProcessFatal", "WorkerReady", "WorkerFailed", "Shutdown",
@@ -106,6 +106,20 @@ class GrammarMasks(msgspec.Struct, gc=False):
     bitmask: bytes
 
 
+class TierOps(msgspec.Struct, gc=False, omit_defaults=True):
+    """A step's moves between the device pool and the KV tiers below it (kvmanager/tiers.py),
+    applied before the swaps: the stored device blocks are read first (their contents as of
+    the step's start), then the loads are written into their device blocks, then the stored
+    copies into the host tier's slots and the disk writer's queue."""
+
+    store_blocks: list[int] = []  # device blocks to copy out
+    store_slots: list[int] = []  # per stored block: its host-tier slot, -1: none
+    store_hashes: list[bytes] = []  # per stored block: its disk file's hash, b"": none ([]: none)
+    load_host: list[tuple[int, int]] = []  # (host-tier slot, device block)
+    load_disk: list[tuple[bytes, int]] = []  # (block hash, device block)
+    delete: list[bytes] = []  # block files evicted from the disk tier
+
+
 class StepPlan(msgspec.Struct, gc=False):
     step_id: int
     new_seqs: list[NewSeq]
@@ -129,6 +143,7 @@ class StepPlan(msgspec.Struct, gc=False):
     # column's token is the one rank 0 sampled for that sequence last step, which the other
     # ranks receive by broadcast (decode_token_ids holds -1s).
     ahead: bool = False
+    tiers: TierOps | None = None  # KV tier loads and stores, when any
 
     def seq_steps(self) -> list[ScheduledSeq]:
         """Every sequence this step computes, in batch order, the decode columns spelled out as
@@ -171,6 +186,9 @@ class StepResult(msgspec.Struct, gc=False, omit_defaults=True):
     # vector as little-endian float32 bytes (pipeline/pooling.py).
     pooled_seq_ids: list[int] = []
     pooled: list[bytes] = []
+    # KV tier blocks whose disk store or load failed since the last result (a full disk, an
+    # I/O error, a corrupt or missing file): no longer on disk. A failed load was recomputed.
+    tier_failed: list[bytes] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +353,11 @@ class WorkerReady(msgspec.Struct):
     num_gpu_blocks: int
     num_cpu_blocks: int
     token: str = ""
+    # The KV tiers below the device pool (--kv-offload-*): host-tier blocks, the bytes of one
+    # block, and the namespace of the disk tier's files (b"": no disk tier).
+    num_tier_blocks: int = 0
+    block_bytes: int = 0
+    tier_namespace: bytes = b""
 
 
 class Reset(msgspec.Struct):

@@ -101,6 +101,9 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
         num_cpu_blocks = 0  # an encoder's input runs within one step: nothing is ever swapped
     core = WorkerCore(runner, Sampler() if rank == 0 else None, num_cpu_blocks,
                       swap_shm_name=cfg.ipc.swap_segment(rank) if shared_swap else None)
+    if cfg.cache.kv_offload_memory or cfg.cache.kv_offload_dir:
+        from pagedserve.workers.kv_tiers import build_tier_io
+        core.tiers = build_tier_io(cfg, runner.kv_cache, per_block, model_config, rank)
     if cfg.env.step_trace and rank == 0:
         from pagedserve.workers.step_trace import StepProfiler
         core.profiler = StepProfiler(runner.model, runner.cpu_replay)

@@ -61,6 +61,9 @@ class WorkerCore:
         self._tables_ref: SharedTables | None = None
         # rank 0: the last step's result, whose tokens a plan made ahead of it decodes
         self._last_result: StepResult | None = None
+        self.tiers = None  # the KV tiers' host blocks and disk files (workers/kv_tiers.py)
+        # seq_id -> tokens recomputed this step before its scheduled ones (a failed tier load)
+        self._recompute: dict[int, int] = {}
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler epoch); the KV cache's bytes are simply
@@ -94,6 +97,8 @@ class WorkerCore:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             self._register(new)
+        if plan.tiers is not None:
+            self._move_tiers(plan)
         self._move_blocks(plan)
 
         items, sampled_ids, pooled_ids = self._collect(plan)
@@ -106,6 +111,10 @@ class WorkerCore:
             seqs[seq_id].num_computed_tokens += 1
         for scheduled in plan.scheduled:
             seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_tokens
+        if self._recompute:
+            for seq_id, extra in self._recompute.items():
+                seqs[seq_id].num_computed_tokens += extra
+            self._recompute.clear()
 
         drafts = {s.seq_id: s.draft_token_ids for s in plan.scheduled if s.draft_token_ids}
         rows = _first_rows(sampled_ids, drafts)
@@ -131,6 +140,8 @@ class WorkerCore:
         if pooled_ids:
             result.pooled_seq_ids = pooled_ids
             result.pooled = [to_bytes(v) for v in step.pooled.cpu().numpy()]
+        if self.tiers is not None:
+            result.tier_failed = self.tiers.take_failed()
         self._last_result = result
         if self.profiler is not None:
             result.timings = {"forward_ms": (forward_done - started) * 1e3,
@@ -143,6 +154,25 @@ class WorkerCore:
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
             sampling, list(new.block_ids), new.num_computed_tokens, new.table_row, new.pool)
+
+    def _move_tiers(self, plan: StepPlan) -> None:
+        """The plan's KV tier moves (workers/kv_tiers.py). A disk load that failed leaves its
+        device block unfilled: every new sequence counting it as computed computes again from
+        that block on, in this step (the scheduler's counts are the same at the step's end)."""
+        if self.tiers is None:
+            raise ValueError(f"plan {plan.step_id} moves KV tier blocks but this worker has no "
+                             "KV tiers (--kv-offload-memory / --kv-offload-dir)")
+        unfilled = self.tiers.apply(plan.tiers)
+        if not unfilled:
+            return
+        bs = self.runner.block_size
+        for new in plan.new_seqs:
+            state = self.seqs[new.seq_id]
+            computed = state.block_ids[:state.num_computed_tokens // bs]
+            first = next((i for i, b in enumerate(computed) if b in unfilled), None)
+            if first is not None:
+                self._recompute[new.seq_id] = state.num_computed_tokens - first * bs
+                state.num_computed_tokens = first * bs
 
     def _move_blocks(self, plan: StepPlan) -> None:
         kv_cache = self.runner.kv_cache
@@ -181,7 +211,8 @@ class WorkerCore:
             state.block_ids.extend(scheduled.new_block_ids)
             state.token_ids.extend(scheduled.new_token_ids)
             state.num_computed_tokens += scheduled.num_skipped  # drafts accepted last step
-            start, end = state.num_computed_tokens, state.num_computed_tokens + scheduled.num_tokens
+            start = state.num_computed_tokens
+            end = start + scheduled.num_tokens + self._recompute.get(scheduled.seq_id, 0)
             if end > len(state.token_ids) or scheduled.num_skipped > len(scheduled.new_token_ids):
                 raise ValueError(f"seq {scheduled.seq_id}: asked to compute tokens [{start}, {end}) "
                                  f"but only {len(state.token_ids)} are known (skipping "

@@ -27,8 +27,15 @@ class WorkerService:
         self.applied_token: str | None = None
 
     def ready(self, token: str = "") -> messages.WorkerReady:
-        return messages.WorkerReady(self.rank, self.pid, self.num_gpu_blocks,
-                                    self.num_cpu_blocks, token)
+        tiers = self.core.tiers
+        if tiers is None:
+            return messages.WorkerReady(self.rank, self.pid, self.num_gpu_blocks,
+                                        self.num_cpu_blocks, token)
+        return messages.WorkerReady(
+            self.rank, self.pid, self.num_gpu_blocks, self.num_cpu_blocks, token,
+            num_tier_blocks=0 if tiers.host is None else tiers.host.shape[2],
+            block_bytes=tiers.block_nbytes,
+            tier_namespace=tiers.namespace if tiers.disk_dir else b"")
 
     def on_plan(self, plan: messages.StepPlan) -> None:
         received = time.monotonic()
@@ -51,6 +58,8 @@ class WorkerService:
         self.send_to_scheduler(self.ready(msg.token))
 
     def on_shutdown(self, msg: messages.Shutdown) -> None:
+        if self.core.tiers is not None:
+            self.core.tiers.close()  # the disk tier's queued writes, for the next start
         raise WorkerStopped(msg.reason or "shutdown")
 
     def handlers(self) -> dict[type, Callable]:

@@ -169,6 +169,7 @@ class SchedulerProcess:
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
+        self._attach_tiers(scheduler)
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
         gate = enable_structured_outputs(  # warmed when idle
             scheduler, self.cfg.model_info,
@@ -189,6 +190,20 @@ class SchedulerProcess:
         self.dispatcher.handlers = {**self.service.handlers(), **self._group_handlers()}
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
+
+    def _attach_tiers(self, scheduler: Scheduler) -> None:
+        """The KV tiers below the device pool, as the workers built them (kvmanager/tiers.py)."""
+        from pagedserve.kvmanager.tiers import build_tiers
+        ready = list(self.ready_ranks.values())
+        c = self.cfg.cache
+        tiers = build_tiers(min(r.num_tier_blocks for r in ready), ready[0].block_bytes,
+                            ready[0].tier_namespace, c.kv_offload_dir, c.kv_offload_disk_size)
+        if tiers is not None:
+            scheduler.kv.attach_tiers(tiers)
+            log.info("KV tiers: %d host blocks, disk %s (%d blocks found there)",
+                     tiers.host.pool.num_blocks if tiers.host else 0,
+                     tiers.disk.directory if tiers.disk else "off",
+                     len(tiers.disk.index) if tiers.disk else 0)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult
+from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult, TierOps
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.lookahead import build_ahead, lanes_ahead, promote
@@ -190,11 +190,16 @@ class Scheduler:
         self.kv.hold_rows(False)  # the last plan's step is over: rows freed since are reusable
         b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         self._next_step_id += 1
+        tiers = self.kv.tiers
+        if tiers is not None:
+            tiers.begin_step()  # stores picked before the plan's allocations may evict them
         self.rule.plan(b)
         self.iteration_tokens = self.config.max_num_batched_tokens - b.budget
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
         plan = b.build(self.life.take_finished_seq_ids(), self._shared_tables)
+        if tiers is not None:
+            plan.tiers = _tier_ops(tiers)
         book = self.life.grammar_book
         if book is not None and book.grammars:
             plan.grammar = book.masks(self.life.requests, b.step_id, RUNNING)
@@ -226,11 +231,16 @@ class Scheduler:
         lanes, opening = found
         a = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens - len(lanes))
         self._next_step_id += 1
+        tiers = self.kv.tiers
+        if tiers is not None:
+            tiers.begin_step()
         build_ahead(a, lanes, opening, self.kv)
         self._ahead = a
         self.num_steps_ahead += 1
         plan = a.build(self.life.take_finished_seq_ids(), self._shared_tables)
         plan.ahead = True
+        if tiers is not None:
+            plan.tiers = _tier_ops(tiers)
         return plan
 
     # ------------------------------------------------------------------ results
@@ -244,6 +254,8 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is {plan.step_id}")
         self._inflight = None
+        if result.tier_failed and self.kv.tiers is not None:
+            self.kv.tiers.on_failed(result.tier_failed)
         life = self.life
         outputs, pending, pooled = advance(b, result, self.kv, block_size=self.block_size,
                                            caching=self.config.enable_prefix_caching,
@@ -282,6 +294,11 @@ class Scheduler:
             self.spec_accepted_tokens += accepted
             for pos in range(accepted):
                 per_pos[pos] += 1
+
+
+def _tier_ops(tiers) -> TierOps | None:
+    ops = tiers.take_ops()
+    return None if ops is None else TierOps(*ops)
 
 
 def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:

@@ -232,13 +232,18 @@ class StepRule:
         whole = req.pooling is not None and self.config.pooling_whole_prompt
         reads_cache = (self.config.enable_prefix_caching and not whole
                        and not req.wants_prompt_logprobs)
-        cached = kv.lookup_prefix(tokens, req.cache_salt) if reads_cache else 0
+        cached = lower = 0  # lower: of the cached tokens, those a lower KV tier loads
+        if reads_cache:
+            if kv.tiers is None:
+                cached = kv.lookup_prefix(tokens, req.cache_salt)
+            else:
+                cached, lower = kv.lookup_prefix_tiers(tokens, req.cache_salt)
         chunk = total - cached
         if chunk > b.budget:
             if whole or not self.config.enable_chunked_prefill:
                 return None
             chunk = b.budget
-        if not kv.can_allocate(chunk, num_cached_tokens=cached):
+        if not kv.can_allocate(chunk + lower, num_cached_tokens=cached - lower):
             return None  # the watermark keeps room for running sequences to grow
         got = kv.allocate(seq.seq_id, () if whole else tokens, chunk, req.cache_salt,
                           read_cache=reads_cache)
