@@ -143,7 +143,9 @@ export class ChatView {
     for (const model of data) {
       const option = document.createElement("option");
       option.value = model.id;
-      option.textContent = model.state && model.state !== "loaded" ? `${model.id} (${model.state})` : model.id;
+      const notes = [model.parent ? `adapter of ${model.parent}` : "",
+        model.state && model.state !== "loaded" ? model.state : ""].filter(Boolean);
+      option.textContent = notes.length ? `${model.id} (${notes.join(", ")})` : model.id;
       select.append(option);
     }
     if (data.some((m) => m.id === previous)) select.value = previous;
