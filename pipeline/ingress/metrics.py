@@ -51,6 +51,24 @@ _SPEC_COUNTERS = {
 }
 
 
+# Only with KV tiers (--kv-offload-memory / --kv-offload-dir): per tier, host and disk.
+_TIER_COUNTERS = {
+    "hit_tokens": "Prompt tokens served from the KV tier instead of computed.",
+    "loads": "Blocks loaded from the KV tier into the device pool.",
+    "stores": "Blocks stored into the KV tier.",
+    "bytes": "Bytes moved to and from the KV tier.",
+    "failures": "Blocks whose store or load failed (full disk, I/O error, corrupt file).",
+}
+
+
+def _kv_tiers(stats: dict[str, Any]) -> Iterator[Any]:
+    for key, doc in _TIER_COUNTERS.items():
+        fam = CounterMetricFamily(f"pagedserve:kv_tier_{key}", doc, labels=["tier"])
+        for tier in ("host", "disk"):
+            fam.add_metric([tier], float(stats.get(f"kv_{tier}_{key}", 0)))
+        yield fam
+
+
 def histogram_family(name: str, doc: str, model_name: str, data: dict[str, Any]) -> HistogramMetricFamily:
     """A histogram from {"buckets": upper bounds, "counts": cumulative, "sum", "count"}."""
     fam = HistogramMetricFamily(name, doc, labels=["model_name"])
@@ -83,6 +101,8 @@ class EngineStatsCollector:
             yield fam
         if "spec_decode_num_drafts" in stats:
             yield from self._speculation(stats)
+        if "kv_host_loads" in stats:
+            yield from _kv_tiers(stats)
         yield histogram_family("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                self.model_name, stats.get("iteration_tokens") or {})
         yield self._unknown_messages(stats)

@@ -133,3 +133,12 @@ def test_disk_hits_past_the_host_tier_and_failures_forget_the_block(tmp_path):
     tiers.on_failed([stores[2][1]])              # the second block's file could not be written
     assert kv.lookup_prefix_tiers(prompt) == (4, 4)
     assert tiers.stats()["kv_disk_failures"] == 1
+
+
+def test_tier_counters_are_exported_per_tier():
+    from pagedserve.pipeline.ingress.metrics import _kv_tiers
+    families = {f.name: f for f in _kv_tiers({"kv_host_loads": 3, "kv_disk_failures": 2})}
+    loads = {s.labels["tier"]: s.value for s in families["pagedserve:kv_tier_loads"].samples}
+    failures = {s.labels["tier"]: s.value
+                for s in families["pagedserve:kv_tier_failures"].samples}
+    assert loads == {"host": 3.0, "disk": 0.0} and failures == {"host": 0.0, "disk": 2.0}
