@@ -23,6 +23,7 @@ from pagedserve import transport
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.outputs import (EmbeddingOutput, EmbeddingRequestOutput,
                                           RequestError, RequestOutput)
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.pooling import PoolingParams, from_bytes, truncate
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -276,7 +277,8 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None, pooling: PoolingParams | None = None
+                       cache_salt: str | None = None, pooling: PoolingParams | None = None,
+                       lora: LoRARequest | None = None
                        ) -> AsyncIterator[messages.TextDelta]:
         """Stream TextDeltas of every sample until all n samples finish. With `pooling` (an
         embedding request: `embed` is the short way) the one delta is the finished sample
@@ -295,7 +297,8 @@ class AsyncEngineClient:
             raise ValueError("prompt is empty")
         st = _Stream(messages.AddRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=params,
-            arrival_time=time.time(), priority=priority, cache_salt=cache_salt, pooling=pooling))
+            arrival_time=time.time(), priority=priority, cache_salt=cache_salt, pooling=pooling,
+            lora=lora))
         self._streams[request_id] = st
         remaining = params.n
         try:

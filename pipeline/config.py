@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve import envs
 from pagedserve.envs import Environment
+from pagedserve.pipeline.lora_config import LoRAArgs, add_lora_args
 from pagedserve.pipeline.pooling import PoolerConfig
 from pagedserve.pipeline.speculative_config import SpeculativeConfig
 from pagedserve.private_files import read_private, write_private
@@ -383,6 +384,7 @@ class EngineConfig:
     server: ServerArgs = field(default_factory=ServerArgs)
     supervisor: SupervisorArgs = field(default_factory=SupervisorArgs)
     ipc: IpcArgs = field(default_factory=IpcArgs)
+    lora: LoRAArgs = field(default_factory=LoRAArgs)
     env: Environment = field(default_factory=envs.current)
     model_info: ModelInfo = field(default_factory=ModelInfo)
 
@@ -433,7 +435,7 @@ class EngineConfig:
 _SECTIONS = {"model": ModelArgs, "cache": CacheArgs, "parallel": ParallelArgs,
              "cluster": ClusterArgs,
              "scheduling": SchedulingArgs, "server": ServerArgs, "supervisor": SupervisorArgs,
-             "ipc": IpcArgs, "env": Environment, "model_info": ModelInfo}
+             "ipc": IpcArgs, "lora": LoRAArgs, "env": Environment, "model_info": ModelInfo}
 # Flat keyword arguments name the user's settings; env and model_info are filled at start.
 _FIELD_OWNER = {f.name: sec for sec, cls in _SECTIONS.items() if sec not in ("env", "model_info")
                 for f in fields(cls)}
@@ -549,6 +551,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="send a model's <think>...</think> as reasoning_content")
     p.add_argument("--ipc-dir", default="", help="folder for ipc:// sockets (default: a temp dir)")
+    add_lora_args(p, d.lora)
     for name in ("frontend", "output", "plan", "events", "detok", "control"):
         p.add_argument(f"--{name}-addr", default="", help=argparse.SUPPRESS)
     return p

@@ -26,6 +26,7 @@ class EngineGroup:
         engine_kwargs.setdefault("http", False)
         config = EngineConfig.from_kwargs(**engine_kwargs)
         resolve_model(config)  # here, so that the tokenizer is at hand; the launcher reuses it
+        self.config = config   # (LoRA: what LLM.generate checks a lora_request against)
         self.model_dir = config.model_info.model_dir
         self.tokenizer = load_tokenizer(config.model_info.tokenizer_dir,
                                         chat_template=config.model_info.chat_template)

@@ -15,6 +15,9 @@ from typing import Any
 from pagedserve.pipeline.client import AsyncEngineClient, EngineClient
 from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.engine_group import EngineGroup
+from pagedserve.pipeline.lora_files import BaseShapes
+from pagedserve.pipeline.lora_registry import LoRARegistry
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.messages import AddRequest, DeltaBatch, RequestFailed, RequestRejected
 from pagedserve.pipeline.outputs import (EmbeddingOutput, EmbeddingRequestOutput,
                                           RequestError, RequestOutput)
@@ -32,9 +35,11 @@ class LLM:
         if in_process:
             self._core = _InProcessEngine(model=model, **engine_kwargs)
             self.tokenizer = self._core.tokenizer
+            self._loras = _lora_checks(self._core.core.config)
             return
         self._group = EngineGroup(model=model, **engine_kwargs)
         self.tokenizer = self._group.tokenizer
+        self._loras = _lora_checks(self._group.config)
         try:
             self._client = EngineClient(self._group.frontend_addr, self._group.output_addr,
                                         tokenizer=self.tokenizer,
@@ -45,19 +50,39 @@ class LLM:
             raise
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Outputs in input order; each has .prompt, .outputs[i].text/.token_ids/.finish_reason."""
+        """Outputs in input order; each has .prompt, .outputs[i].text/.token_ids/.finish_reason.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model; the engine needs enable_lora=True)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = self._lora_requests(lora_request, len(prompts))
         if self._core is not None:
-            return self._core.generate(list(zip(prompts, params)))
-        futures = [self._client.submit(p, sp) for p, sp in zip(prompts, params)]
+            return self._core.generate(list(zip(prompts, params, loras)))
+        futures = [self._client.submit(p, sp, lora=lora)
+                   for p, sp, lora in zip(prompts, params, loras)]
         return [f.result() for f in futures]
+
+    def _lora_requests(self, lora_request, count: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the model once."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * count
+        else:
+            loras = list(lora_request)
+            if len(loras) != count:
+                raise ValueError(f"got {len(loras)} lora_requests for {count} prompts")
+        for lora in {lora for lora in loras if lora is not None}:
+            if self._loras is None:
+                raise ValueError(f"lora_request {lora.lora_name!r} given, but LoRA is disabled "
+                                 f"(LLM(..., enable_lora=True))")
+            self._loras.check(lora)
+        return loras
 
     def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
               pooling: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
@@ -111,10 +136,11 @@ class _InProcessEngine:
         self.core = EngineCore.build(EngineConfig.from_kwargs(**engine_kwargs))
         self.tokenizer = self.core.detokenizer.tokenizer
 
-    def generate(self, requests: list[tuple[Any, SamplingParams]]) -> list[RequestOutput]:
+    def generate(self, requests: list[tuple[Any, SamplingParams, LoRARequest | None]]
+                 ) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in requests:
+            for prompt, params, lora in requests:
                 params.validate()
                 ids = (list(self.tokenizer.encode(prompt)) if isinstance(prompt, str)
                        else [int(t) for t in prompt])
@@ -123,7 +149,7 @@ class _InProcessEngine:
                                                    ids, params)
                 self._receive(self.core.submit(AddRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=params,
-                    arrival_time=time.time())), outputs)
+                    arrival_time=time.time(), lora=lora)), outputs)
             while not all(out.finished for out in outputs.values()):
                 self._receive(self.core.step(), outputs)
         except BaseException:
@@ -172,6 +198,15 @@ class _InProcessEngine:
                 raise RequestError(msg.status, msg.message, msg.request_id)
 
 
+def _lora_checks(config: EngineConfig) -> LoRARegistry | None:
+    """What LLM.generate checks a lora_request against (None: LoRA is off)."""
+    if not config.lora.enable_lora:
+        return None
+    info = config.model_info
+    return LoRARegistry(BaseShapes.from_model_dir(info.model_dir), config.served_model_name,
+                        config.lora.max_lora_rank)
+
+
 class AsyncLLM:
     """asyncio engine: `async for out in engine.generate(prompt, params)` yields cumulative
     RequestOutputs. Create with `await AsyncLLM.create(model=..., ...)`."""
@@ -207,6 +242,8 @@ class AsyncLLM:
         ids = self._client._prompt_ids(prompt)
         out = RequestOutput.start(kwargs.pop("request_id", None) or uuid.uuid4().hex,
                                   prompt if isinstance(prompt, str) else None, ids, params)
+        if "lora_request" in kwargs:   # vLLM's name
+            kwargs["lora"] = kwargs.pop("lora_request")
         async for delta in self._client.generate(ids, params, request_id=out.request_id, **kwargs):
             out.apply(delta)
             yield out

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -61,6 +62,9 @@ class NewSeq(msgspec.Struct, gc=False):
     # An embedding request's sequence: prefill-only, pooled (not sampled) when it reaches the
     # end of its prompt (pipeline/pooling.py).
     pool: bool = False
+    # Its request's LoRA adapter (pipeline/lora_request.py); None: the base model. The workers
+    # give it a slot for the steps it computes in (workers/lora/).
+    lora: LoRARequest | None = None
 
 
 class ScheduledSeq(msgspec.Struct, gc=False, omit_defaults=True):
@@ -210,6 +214,8 @@ class AddRequest(msgspec.Struct, kw_only=True):
     resubmitted: bool = False
     # An embedding request: prefill-only, answered with its pooled vector (no tokens).
     pooling: PoolingParams | None = None
+    # The LoRA adapter it runs with (the ingress resolved its model name); None: the base model.
+    lora: LoRARequest | None = None
 
 
 class Abort(msgspec.Struct):

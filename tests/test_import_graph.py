@@ -23,7 +23,8 @@ ROLES = ("pagedserve.pipeline", "pagedserve.workers", "pagedserve.kvmanager", "p
 CONTRACTS = ("pagedserve.pipeline.config", "pagedserve.pipeline.messages",
              "pagedserve.pipeline.sampling_params", "pagedserve.pipeline.outputs",
              "pagedserve.pipeline.speculative_config", "pagedserve.pipeline.load_error",
-             "pagedserve.pipeline.structured.spec", "pagedserve.pipeline.pooling")
+             "pagedserve.pipeline.structured.spec", "pagedserve.pipeline.pooling",
+             "pagedserve.pipeline.lora_request", "pagedserve.pipeline.lora_config")
 # What a contract may load besides the ground and the other contracts: the packages around them.
 CONTRACT_PACKAGES = ("pagedserve.pipeline", "pagedserve.pipeline.structured")
 

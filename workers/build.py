@@ -52,6 +52,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
     from pagedserve.workers.core import WorkerCore
+    from pagedserve.workers.lora.setup import LoRASetup
 
     tp = cfg.parallel.tensor_parallel_size
     device = pick_device(cfg, rank)
@@ -94,7 +95,7 @@ def build_core(cfg: EngineConfig, rank: int, *, shared_swap: bool = True):
                          cuda_graph_batch=0 if cfg.parallel.enforce_eager
                          else cfg.scheduling.max_num_seqs, quantization=quantization,
                          cpu_replay=not cfg.parallel.enforce_eager,
-                         pooler=cfg.model_info.pooler())
+                         pooler=cfg.model_info.pooler(), lora=LoRASetup.from_args(cfg.lora))
     per_block = block_bytes(model_config, cfg.cache.block_size, cache_dtype, tp)
     num_cpu_blocks = int(cfg.cache.swap_space * 1024**3) // per_block
     if model_config.is_encoder:

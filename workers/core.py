@@ -14,6 +14,7 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.shm_tables import SharedBlockTables
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.messages import (NewSeq, PromptLogprobs, SharedTables, StepPlan,
                                           StepResult)
 from pagedserve.pipeline.pooling import to_bytes
@@ -41,10 +42,12 @@ class SeqState:
     num_computed_tokens: int
     table_row: int = -1           # its row in the scheduler's shared block tables
     pool: bool = False            # an embedding prompt: pooled, not sampled, at its end
+    lora_id: int = 0              # its LoRA adapter's id (runner.lora holds it); 0: none
 
     def clone(self, table_row: int) -> SeqState:
         return SeqState(list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        list(self.block_ids), self.num_computed_tokens, table_row, self.pool)
+                        list(self.block_ids), self.num_computed_tokens, table_row, self.pool,
+                        self.lora_id)
 
 
 class WorkerCore:
@@ -151,9 +154,19 @@ class WorkerCore:
 
     def _register(self, new: NewSeq) -> None:
         sampling = new.sampling  # per sample: the scheduler sends a child its derived params
+        lora_id = self._register_lora(new.lora) if new.lora is not None else 0
         self.seqs[new.seq_id] = SeqState(
             list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row, new.pool)
+            sampling, list(new.block_ids), new.num_computed_tokens, new.table_row, new.pool,
+            lora_id)
+
+    def _register_lora(self, lora: LoRARequest) -> int:
+        """A new sequence's adapter, loaded into host memory on first sight: its id."""
+        if self.runner.lora is None:
+            raise ValueError(f"a sequence uses LoRA adapter {lora.lora_name!r} but this worker "
+                             "runs without --enable-lora")
+        self.runner.lora.register(lora)
+        return lora.lora_int_id
 
     def _move_tiers(self, plan: StepPlan) -> None:
         """The plan's KV tier moves (workers/kv_tiers.py). A disk load that failed leaves its
@@ -204,7 +217,7 @@ class WorkerCore:
                                  f"of its known tokens are not computed yet")
             tokens.append(token)
             items.append(SeqStep([token], start, state.block_ids, True,
-                                 state.table_row if shared else -1))
+                                 state.table_row if shared else -1, lora_id=state.lora_id))
         sampled_ids.extend(plan.decode_seq_ids)
         for scheduled in plan.scheduled:
             state = self._state(scheduled.seq_id, "scheduled")
@@ -228,7 +241,8 @@ class WorkerCore:
                 items.append(SeqStep(computed, start, state.block_ids, False, row, pool=True))
                 pooled_ids.append(scheduled.seq_id)
                 continue
-            item = SeqStep(computed, start, state.block_ids, sample, row, len(drafts))
+            item = SeqStep(computed, start, state.block_ids, sample, row, len(drafts),
+                           lora_id=state.lora_id)
             if self.sampler is not None and state.sampling.prompt_logprobs is not None \
                     and start < state.num_prompt_tokens - 1:
                 # rows start .. predict prompt tokens start + 1 .., up to the last one

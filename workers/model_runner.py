@@ -24,6 +24,7 @@ from pagedserve.workers.loader import ModelConfig, iter_weights, weights_quantiz
 from pagedserve.workers.models import model_class
 from pagedserve.workers.models.attention import AttentionMetadata
 from pagedserve.workers.prompt_logprobs import RowLogprobs, prompt_logprobs
+from pagedserve.workers.lora.setup import LoRASetup, lora_manager
 from pagedserve.workers.pooling import pool_hidden
 from pagedserve.workers.models.layers import (KEPT_QUANTIZED, check_quantization, prepack_linears,
                                               quantize_linears, release_packed_weights)
@@ -46,6 +47,7 @@ class SeqStep:
     prompt_targets: list[int] | None = None
     prompt_top: int = 0
     pool: bool = False         # the last chunk of an embedding prompt: pool its hidden states
+    lora_id: int = 0           # its LoRA adapter's id (registered with runner.lora); 0: none
 
 
 @dataclass(slots=True)
@@ -93,7 +95,7 @@ class ModelRunner:
                  tp_rank: int = 0, tp_size: int = 1,
                  kv_cache_dtype: torch.dtype | None = None, cuda_graph_batch: int = 256,
                  quantization: str = "none", cpu_replay: bool = True,
-                 pooler: PoolerConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None, lora: LoRASetup | None = None) -> None:
         """`model_dir=None` gives random weights of the real shapes (benchmarks only).
         `kv_cache_dtype`: the cache's storage dtype (kernels/kv_format.py); None: `dtype`.
         `quantization`: auto (a quantized checkpoint's format kept as stored, else none), none
@@ -106,7 +108,8 @@ class ModelRunner:
         where the model allows and PAGEDSERVE_CPU_DECODE_REPLAY is on; False: always eager
         (--enforce-eager).
         `pooler`: how embedding requests pool (pipeline/pooling.py); None: the default for the
-        model's kind (LAST for a decoder, CLS for an encoder, normalized)."""
+        model's kind (LAST for a decoder, CLS for an encoder, normalized).
+        `lora`: LoRA slots and limits (--enable-lora; workers/lora/); None: no adapters."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.pooler = pooler or PoolerConfig("CLS" if config.is_encoder else "LAST")
         self.kv_cache_dtype = kv_cache_dtype or dtype
@@ -135,6 +138,7 @@ class ModelRunner:
             if freed:
                 trim_heap()
                 log.info("packed linears: freed %.1f MiB of plain weights", freed / 2**20)
+        self.lora = lora_manager(self.model, config, lora, dtype, self.device)
         if config.is_encoder:  # its attention reads no cache: blocks only count admissions
             self.kv_cache = torch.empty(kv_cache_shape(config, num_blocks, block_size, tp_size,
                                                        tp_rank), dtype=self.kv_cache_dtype,
@@ -177,9 +181,19 @@ class ModelRunner:
         if not items:
             return StepOutput(torch.empty(0, self.config.vocab_size, device=self.device))
         arrays = self._flatten(items)
+        adapted = self.lora is not None and self.lora.prepare_items(items, arrays.first_rows,
+                                                                    len(arrays.tokens))
+        try:
+            return self._run(items, arrays, adapted)
+        finally:
+            if adapted:
+                self.lora.finish_step()
+
+    def _run(self, items: list[SeqStep], arrays: _StepArrays, adapted: bool) -> StepOutput:
+        """`run` of the flattened step; `adapted`: some rows use LoRA adapters (eager only)."""
         pooling = len(arrays.pool_spans) > 0
         wanted = [i for i, it in enumerate(items) if it.prompt_targets]
-        graphs = self.decode_graphs
+        graphs = None if adapted else self.decode_graphs
         if graphs is not None and not wanted and not pooling \
                 and arrays.num_decode == len(items) \
                 and graphs.fits(len(items), arrays.tables.shape[1]):
@@ -191,7 +205,7 @@ class ModelRunner:
         if pooling:
             self._check_whole_prompts(items)
         # pooling reads every row's hidden state as the eager forward gives it
-        hidden, sample_rows = self._hidden(items, arrays, eager=pooling)
+        hidden, sample_rows = self._hidden(items, arrays, eager=pooling or adapted)
         out = StepOutput(torch.empty(0, self.config.vocab_size, device=self.device))
         if pooling:
             out.pooled = pool_hidden(hidden, arrays.pool_spans, self.pooler)

@@ -1,6 +1,6 @@
 """Native CPU kernels: C sources here, compiled on first use with the system C compiler into one
 shared library per feature (features.py: decode_attention, linear, linear_q8, linear_gguf,
-elementwise, rope_store, replay), called through ctypes (which releases the GIL for the call).
+elementwise, rope_store, replay, lora), called through ctypes (which releases the GIL for the call).
 
 `library(feature)` returns that feature's loaded library, or None when it cannot be built or
 loaded (no compiler, a compile error, a cache folder others may write to): the reason is in

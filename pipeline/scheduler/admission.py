@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pagedserve.kvmanager.window import max_blocks_per_step
+from pagedserve.pipeline.lora_request import LORA_SALT_PREFIX, lora_cache_salt
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.sequence import Request, RequestState
 
@@ -42,6 +43,7 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     if not prompt:
         raise RequestRejected(rid, "prompt has no tokens")
     _check_token_ids(rid, "prompt_token_ids", prompt, config.vocab_size)
+    _check_lora(rid, request, config)
     _check_token_ids(rid, "output_token_ids", outputs, config.vocab_size)
     try:
         sampling.validate(vocab_size=config.vocab_size, check_structured=False)
@@ -89,8 +91,20 @@ def admit_request(request: Request, config: SchedulerConfig, *, num_gpu_blocks: 
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         stop_ids |= eos_token_ids
-    return RequestState(rid, sampling, request.arrival_time, request.priority, request.cache_salt,
-                        num_prompt, max_output, _shared(frozenset(stop_ids)), request.pooling)
+    return RequestState(rid, sampling, request.arrival_time, request.priority,
+                        lora_cache_salt(request.lora, request.cache_salt), num_prompt, max_output,
+                        _shared(frozenset(stop_ids)), request.pooling, request.lora)
+
+
+def _check_lora(rid: str, request: Request, config: SchedulerConfig) -> None:
+    """An adapter only with LoRA on, and no client salt that poses as an adapter's."""
+    if request.cache_salt is not None and request.cache_salt.startswith(LORA_SALT_PREFIX):
+        raise RequestRejected(rid, "cache_salt may not start with a NUL character")
+    if request.lora is not None and not config.max_loras:
+        raise RequestRejected(rid, f"LoRA adapter {request.lora.lora_name!r} asked for, but LoRA "
+                                   f"is disabled (start the server with --enable-lora)")
+    if request.lora is not None and request.pooling is not None:
+        raise RequestRejected(rid, "embeddings run on the base model only, not a LoRA adapter")
 
 
 def _generation_limits(rid: str, num_prompt: int, max_tokens: int | None, max_len: int) -> int:

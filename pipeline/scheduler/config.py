@@ -47,6 +47,8 @@ class SchedulerConfig:
     # computed in one step and never from cached blocks; an encoder serves pooling only.
     pooling_whole_prompt: bool = False
     encoder_only: bool = False
+    # LoRA (--enable-lora): the distinct adapters one step may use (--max-loras); 0: off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -93,4 +95,5 @@ class SchedulerConfig:
                    speculative=SpeculativeConfig.parse(s.speculative_config),
                    pooling_whole_prompt=cfg.model_info.pooler().whole_prompt
                    or cfg.model_info.is_encoder,
-                   encoder_only=cfg.model_info.is_encoder)
+                   encoder_only=cfg.model_info.is_encoder,
+                   max_loras=cfg.lora.device_slots)

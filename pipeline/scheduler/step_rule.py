@@ -21,6 +21,7 @@ from operator import attrgetter
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
+from pagedserve.pipeline.scheduler.lora_slots import StepAdapters
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.preemption import pick_victim
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
@@ -186,16 +187,20 @@ class StepRule:
 
     def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
         q, kv = self.queues, self.kv
+        loras = StepAdapters(self.config.max_loras, decodes, chunks)
         while b.budget and q.room_for(1):
             seq = q.head(q.swapped, SWAPPED)
             if (seq is None or not q.room_for(seq.request.num_seq_slots)
-                    or self.life.quarantine.holds_back(seq.request)):
-                break  # none left, a parent whose samples fork, or another suspect on trial
+                    or self.life.quarantine.holds_back(seq.request)
+                    or not loras.admits(seq.request)):
+                break  # none left, a parent whose samples fork, another suspect on trial, or
+                # its LoRA adapter would pass --max-loras this step
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = self._chunk(remaining, b.budget)
             if not can_swap_in(seq, chunk, kv, self.num_watermark_blocks):
                 break
             q.swap_in_head()
+            loras.add(seq.request)
             self.life.quarantine.begin_trial(seq.request)
             b.swap_in.extend(kv.swap_in(seq.seq_id, seq.num_computed_tokens))
             seq.table_changed()
@@ -208,16 +213,19 @@ class StepRule:
     def _admit_waiting(self, b: PlanBuilder, decodes: list[Sequence],
                        chunks: list[Sequence]) -> None:
         q = self.queues
+        loras = StepAdapters(self.config.max_loras, decodes, chunks)
         while b.budget and q.room_for(1):
             seq = q.head(q.waiting, WAITING)
             if (seq is None or seq.preempted_step == b.step_id
                     or not q.room_for(seq.request.num_seq_slots)
-                    or self.life.quarantine.holds_back(seq.request)):
-                break  # none left, pushed out this very step, its samples would not fit, or
-                # another suspect is on trial
+                    or self.life.quarantine.holds_back(seq.request)
+                    or not loras.admits(seq.request)):
+                break  # none left, pushed out this very step, its samples would not fit,
+                # another suspect is on trial, or its LoRA adapter would pass --max-loras
             caught_up = self._admit(seq, b)
             if caught_up is None:
                 break  # head-of-line blocking keeps the order fair (no starvation)
+            loras.add(seq.request)
             self.life.quarantine.begin_trial(seq.request)
             self._place(seq, caught_up, decodes, chunks)
 
@@ -269,8 +277,8 @@ class StepRule:
             b.add_full(seq, NewSeq(sid, tokens[:npr], tokens[npr:],
                                    seq.request.sampling.for_sample(seq.index), block_ids,
                                    seq.num_computed_tokens, self.kv.row_of(sid),
-                                   seq.request.pooling is not None), num_tokens,
-                       drafts)
+                                   seq.request.pooling is not None, seq.request.lora),
+                       num_tokens, drafts)
             seq.sent_in_full(len(block_ids), len(tokens))
             self._planned(seq, num_tokens, b)
             return

@@ -126,7 +126,8 @@ class GatedMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_ROWS or x.device.type != "cpu" or self.down_proj.tp.size > 1:
+        if (x.shape[0] <= MLP_ROWS or x.device.type != "cpu" or self.down_proj.tp.size > 1
+                or self.down_proj.lora is not None):  # LoRA rows index the whole step
             return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         return torch.cat([self.down_proj(self.act_and_mul(self.gate_up_proj(part)))
                           for part in x.split(MLP_ROWS)])

@@ -104,6 +104,7 @@ class PackableLinear(nn.Module):
     panels: torch.Tensor | None = None   # kernels/native_linear.py's layout (fp32 or bf16)
     q8: native_linear_q8.PackedQ8 | None = None   # --quantization int8
     quantized: QuantizedMatmul | None = None       # kept in the checkpoint's block format
+    lora = None   # workers/lora/stack.LoRAStack: the adapters' products, added to every matmul
 
     @property
     def prepacked(self) -> bool:
@@ -160,6 +161,12 @@ class PackableLinear(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        return out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(x)
         if self.q8 is not None and x.dim() == 2 and x.dtype == torch.float32:

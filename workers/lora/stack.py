@@ -1,0 +1,120 @@
+"""The LoRA weights of one linear, for every device slot, and their product with a step's rows.
+
+A `LoRAStack` hangs on a PackableLinear (`linear.lora`) and adds, inside its matmul, each
+adapter row's x A^T B^T (the scaling folded into B) to the projections it targets: for the
+fused q/k/v and gate/up linears one part per projection, at that projection's columns. A slot
+holds an adapter's A [R, K] and B [R, N] (rank-major), zero past its rank and for projections
+it does not adapt; R is --max-lora-rank. Tensor parallel: a column-parallel linear keeps the
+rows of B for this rank's outputs, a row-parallel one the columns of A for its inputs (the
+partial products sum in the all-reduce that follows, as the base's do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import lora_ref, native_lora
+from pagedserve.workers.models.layers import (MergedColumnParallelLinear, PackableLinear,
+                                              QKVParallelLinear, RowParallelLinear)
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """A step's adapter rows grouped by slot: segment s is rows[seg_starts[s]:seg_starts[s+1]]
+    (indices into the step's flat rows), which use slot seg_slots[s] (kernels/lora_ref.py)."""
+
+    num_rows: int
+    rows: torch.Tensor
+    seg_starts: torch.Tensor
+    seg_slots: torch.Tensor
+
+
+class StepLoRA:
+    """The batch every stack of a model reads in the current step (None: no adapter rows)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+@dataclass(slots=True)
+class _Part:
+    """One adapted projection inside a linear: its output columns and its weight slots."""
+
+    module: str
+    out_offset: int
+    a: torch.Tensor   # [slots, R, K]
+    b: torch.Tensor   # [slots, R, N]
+
+
+class LoRAStack:
+    def __init__(self, linear: PackableLinear, modules: tuple[str, ...], num_slots: int,
+                 max_rank: int, step: StepLoRA, device: torch.device) -> None:
+        self.linear, self.step = linear, step
+        self.num_slots, self.max_rank = num_slots, max_rank
+        out, k = linear.weight.shape   # (a packed linear's plain weight may be meta by now)
+        sizes = _part_sizes(linear, len(modules))
+        dtype = linear.weight.dtype
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.parts = [_Part(m, off, torch.zeros(num_slots, max_rank, k, dtype=dtype, device=device),
+                            torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device))
+                      for m, off, n in zip(modules, offsets, sizes)]
+        if sum(sizes) != out:
+            raise ValueError(f"LoRA parts {sizes} do not cover the linear's {out} outputs")
+
+    def write(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot `slot` takes an adapter's full (unsharded) A [r, in] and scaled B [out, r] per
+        projection name; projections it leaves out are zero."""
+        for part in self.parts:
+            part.a[slot].zero_()
+            part.b[slot].zero_()
+            if part.module not in weights:
+                continue
+            a, b = weights[part.module]
+            a, b = _shard(self.linear, part.module, a, b)
+            r = a.shape[0]
+            part.a[slot, :r].copy_(a)
+            part.b[slot, :r].copy_(b.t())
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, N] += the adapter rows' products, in place (x [T, K] of the same step)."""
+        batch = self.step.batch
+        if batch is None or x.shape[0] != batch.num_rows:
+            return
+        native = x.dtype == torch.float32 and native_lora.supports(x, out)
+        for part in self.parts:
+            view = out[:, part.out_offset:part.out_offset + part.b.shape[2]]
+            if native:
+                y = native_lora.shrink(x, part.a, batch.rows, batch.seg_starts, batch.seg_slots)
+                native_lora.expand(y, part.b, batch.rows, batch.seg_starts, batch.seg_slots, view)
+            else:
+                y = lora_ref.shrink_ref(x, part.a, batch.rows, batch.seg_starts, batch.seg_slots)
+                lora_ref.expand_ref(y, part.b, batch.rows, batch.seg_starts, batch.seg_slots,
+                                    view)
+
+
+def _part_sizes(linear: PackableLinear, parts: int) -> list[int]:
+    if isinstance(linear, QKVParallelLinear):
+        return list(linear.sizes)
+    if isinstance(linear, MergedColumnParallelLinear):
+        return [linear.shard_size] * parts
+    return [linear.weight.shape[0]]
+
+
+def _shard(linear: PackableLinear, module: str, a: torch.Tensor, b: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a projection's A and B (as the linear cuts its own weight)."""
+    if isinstance(linear, QKVParallelLinear):
+        shard = module[0]
+        total, d = linear.total_heads[shard], linear.head_dim
+        heads = b.view(total, d, b.shape[1])[linear.heads[shard]]
+        if linear.head_perm is not None and shard != "v":
+            heads = heads[:, linear.head_perm]
+        return a, heads.reshape(-1, b.shape[1])
+    if isinstance(linear, MergedColumnParallelLinear):
+        return a, b[linear.rows]
+    if isinstance(linear, RowParallelLinear):
+        return a[:, linear.cols], b
+    raise TypeError(f"no LoRA sharding for a {type(linear).__name__}")

@@ -1,0 +1,44 @@
+"""Test helpers: random LoRA adapters written by peft, and peft's own greedy decode."""
+from __future__ import annotations
+
+from pathlib import Path
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int, seed: int,
+                      alpha: int | None = None, rslora: bool = False,
+                      targets: list[str] | None = None, std: float = 0.3) -> Path:
+    """A PEFT LoRA folder for the model in `base_dir`, every A and B drawn from N(0, std) (peft
+    starts B at zero, which would test nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, use_rslora=rslora,
+                        target_modules=targets or TARGETS, init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = get_peft_model(base, config)
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, std)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt: list[int],
+                max_new_tokens: int) -> list[int]:
+    """transformers (+ peft with an adapter) greedy tokens after `prompt`, ignoring EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.inference_mode():
+        out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                    min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
