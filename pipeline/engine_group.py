@@ -14,6 +14,7 @@ from typing import Any
 from pagedserve import envs
 from pagedserve.lifecycle import stop_process_group
 from pagedserve.pipeline.config import EngineConfig
+from pagedserve.pipeline.lora_config import lora_argv
 
 
 class EngineGroup:
@@ -99,6 +100,7 @@ def _config_to_argv(config: EngineConfig, model_dir: str) -> list[str]:
         argv += ["--cpu-threads", str(p.cpu_threads)]
     if p.enforce_eager:
         argv.append("--enforce-eager")
+    argv += lora_argv(config.lora)
     if s.speculative_config:
         argv += ["--speculative-config", json.dumps(s.speculative_config)]
     argv.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")

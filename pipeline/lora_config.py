@@ -73,3 +73,16 @@ def add_lora_args(parser: argparse.ArgumentParser, defaults: LoRAArgs) -> None:
                         help="adapters kept in host memory (default: --max-loras)")
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="adapters served from the start, by name")
+
+
+def lora_argv(args: LoRAArgs) -> list[str]:
+    """The flags that give a launcher these settings (EngineGroup starts one)."""
+    if not args.enable_lora:
+        return []
+    argv = ["--enable-lora", "--max-loras", str(args.max_loras),
+            "--max-lora-rank", str(args.max_lora_rank)]
+    if args.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    if args.lora_modules:
+        argv += ["--lora-modules", *args.lora_modules]
+    return argv

@@ -22,6 +22,7 @@ from pagedserve.pipeline.ingress.embeddings import add_embeddings_route
 from pagedserve.pipeline.ingress.errors import APIError, error_body
 from pagedserve.pipeline.ingress.infill import InfillRequest, InfillResponse, add_infill_route
 from pagedserve.pipeline.ingress.limits import HeaderLimits
+from pagedserve.pipeline.ingress.lora_routes import LORA_MODELS, add_lora_routes, model_cards
 from pagedserve.pipeline.ingress.openapi import (API_KEY_ERRORS, HEALTH_RESPONSES,
                                                  LIMIT_ERRORS, METRICS_RESPONSES,
                                                  ChatCompletionChunk,
@@ -64,7 +65,8 @@ def build_app(ctx: IngressContext,
     app.add_middleware(HeaderLimits)  # outermost: bounds the headers before anything reads them
     install_openapi(app, limits=openapi_limits(ctx), api_key=ctx.api_key is not None,
                     request_models=(*TOKENIZE_MODELS, InfillRequest, InfillResponse,
-                                    *MESSAGES_MODELS, *RESPONSES_MODELS, *EMBEDDING_MODELS))
+                                    *MESSAGES_MODELS, *RESPONSES_MODELS, *EMBEDDING_MODELS,
+                                    *LORA_MODELS))
     v1_errors = {**LIMIT_ERRORS, **(API_KEY_ERRORS if ctx.api_key is not None else {})}
 
     async def check_api_key(request: Request) -> None:
@@ -93,6 +95,7 @@ def build_app(ctx: IngressContext,
         return await create_chat_completion(ctx, request)
 
     add_embeddings_route(v1, ctx, errors=v1_errors)
+    add_lora_routes(v1, ctx, errors=v1_errors)
 
     capabilities = model_capabilities(ctx.tokenizer, ctx.tool_call_parser, ctx.reasoning_parser,
                                       encoder=ctx.is_encoder)
@@ -105,7 +108,7 @@ def build_app(ctx: IngressContext,
             {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
              "root": ctx.model_root or name, "parent": None, "max_model_len": ctx.max_model_len,
              "capabilities": capabilities}
-            for name in ctx.served_model_names]}
+            for name in ctx.served_model_names] + model_cards(ctx, created, capabilities)}
 
     app.include_router(v1)
     # vLLM's and llama.cpp's routes outside /v1, behind the same key

@@ -21,7 +21,8 @@ from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
 from pagedserve.pipeline.ingress.tools import ToolPlan, plan_tools
 from pagedserve.pipeline.ingress.json_body import decode_json_object
-from pagedserve.pipeline.ingress.validation import (check_model_name, parse_request, read_body,
+from pagedserve.pipeline.ingress.lora_routes import resolve_model
+from pagedserve.pipeline.ingress.validation import (parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import RequestOutput
 
@@ -83,7 +84,7 @@ def prepare_chat(ctx: IngressContext, req: ChatCompletionRequest, request_id: st
                  ) -> PreparedChat:
     """Check a parsed chat request against the served model, then render and tokenize its
     messages; every refusal is an APIError. Shared by /v1/chat/completions and /v1/messages."""
-    check_model_name(req.model, ctx.served_model_names)
+    lora = resolve_model(ctx, req.model)
     req.check()
     tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -113,7 +114,7 @@ def prepare_chat(ctx: IngressContext, req: ChatCompletionRequest, request_id: st
     except BaseException:
         ticket.release()
         raise
-    return PreparedChat(EngineRequest(request_id, ids, params), ticket, tool_plan)
+    return PreparedChat(EngineRequest(request_id, ids, params, lora=lora), ticket, tool_plan)
 
 
 class _ChatView:

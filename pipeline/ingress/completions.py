@@ -18,7 +18,8 @@ from pagedserve.pipeline.ingress.logprobs import (CompletionLogprobs, joined, pr
 from pagedserve.pipeline.ingress.protocol import CompletionRequest
 from pagedserve.pipeline.ingress.streaming import DONE, sse
 from pagedserve.pipeline.ingress.json_body import decode_json_object
-from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS, check_model_name,
+from pagedserve.pipeline.ingress.lora_routes import resolve_model
+from pagedserve.pipeline.ingress.validation import (DEFAULT_COMPLETION_MAX_TOKENS,
                                                     check_token_ids, parse_request, read_body,
                                                     resolve_max_tokens, validated_params)
 from pagedserve.pipeline.outputs import RequestOutput
@@ -38,7 +39,7 @@ def _prepare(ctx: IngressContext, body: bytes):
     """Parse and check the body, tokenize the prompts: (the request, its engine requests,
     their admission ticket, the view that shapes their output)."""
     req = parse_request(CompletionRequest, decode_json_object(body))
-    check_model_name(req.model, ctx.served_model_names)
+    lora = resolve_model(ctx, req.model)
     req.check()
     prompts = req.prompts()
     # Each prompt is an engine request, and they all arrive in the scheduler's queue at once: a
@@ -79,7 +80,7 @@ def _prepare(ctx: IngressContext, body: bytes):
             engine_requests.append(EngineRequest(
                 f"{request_id}-{i}" if len(prompts) > 1 else request_id, ids,
                 validated_params(lambda: msgspec.structs.replace(params, max_tokens=max_tokens),
-                                 vocab_size=ctx.vocab_size, max_n=ctx.max_n)))
+                                 vocab_size=ctx.vocab_size, max_n=ctx.max_n), lora=lora))
     except BaseException:
         ticket.release()
         raise

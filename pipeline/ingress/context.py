@@ -14,6 +14,7 @@ from pagedserve.pipeline.ingress.metrics import IngressMetrics
 from pagedserve.pipeline.ingress.request_guard import RequestGuard
 from pagedserve.pipeline.ingress.tokens import TokenText
 from pagedserve.pipeline.ingress.tools import resolve_tool_parser
+from pagedserve.pipeline.lora_registry import LoRARegistry
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -38,6 +39,7 @@ class IngressContext:
     reasoning_parser: str | None = None   # --reasoning-parser
     hidden_size: int = 0                  # an embedding's length (`dimensions` <= it)
     is_encoder: bool = False              # embeddings only (BERT)
+    loras: LoRARegistry | None = None     # --enable-lora: the adapters served by name
     clock: Callable[[], float] = time.monotonic
     guard: RequestGuard = field(default_factory=RequestGuard)  # quarantine (request_guard.py)
     metrics: IngressMetrics = field(init=False)
@@ -54,6 +56,7 @@ class IngressContext:
     @classmethod
     def from_config(cls, cfg, engine: Any, tokenizer: Any) -> "IngressContext":
         """cfg: an EngineConfig whose model_info the launcher resolved."""
+        from pagedserve.pipeline.ingress.lora_routes import build_registry
         return cls(engine=engine, tokenizer=tokenizer, served_model_names=[cfg.served_model_name],
                    max_model_len=cfg.max_model_len, vocab_size=cfg.model_info.vocab_size,
                    admission=AdmissionController(cfg.scheduling.max_queued_requests,
@@ -64,7 +67,9 @@ class IngressContext:
                    tool_call_parser=resolve_tool_parser(
                        cfg.server.tool_call_parser, getattr(tokenizer, "chat_template", None)),
                    reasoning_parser=cfg.server.reasoning_parser,
-                   hidden_size=cfg.model_info.hidden_size, is_encoder=cfg.model_info.is_encoder)
+                   hidden_size=cfg.model_info.hidden_size, is_encoder=cfg.model_info.is_encoder,
+                   loras=build_registry(cfg.lora, cfg.model_info.model_dir,
+                                        cfg.served_model_name))
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,7 @@ from pagedserve.pipeline.ingress.context import IngressContext, Ticket
 from pagedserve.pipeline.ingress.errors import APIError, from_engine_error
 from pagedserve.pipeline.ingress.streaming import EngineStreamResponse, with_error_event
 from pagedserve.pipeline.outputs import CompletionOutput, RequestError, RequestOutput
+from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.pooling import PoolingParams
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None  # an embedding request (ingress/embeddings.py)
+    lora: LoRARequest | None = None  # the LoRA adapter its `model` named (lora_routes.py)
 
 
 async def collect_output(request: EngineRequest, stream: AsyncIterator, n: int = 1
@@ -51,6 +53,8 @@ async def _timed(ctx: IngressContext, req: EngineRequest, arrival: float, priori
                  cache_salt: str | None) -> AsyncIterator[Any]:
     timer = ctx.metrics.timer(arrival)
     extra = {} if req.pooling is None else {"pooling": req.pooling}
+    if req.lora is not None:
+        extra["lora"] = req.lora
     stream = ctx.engine.generate(req.prompt_token_ids, req.params, request_id=req.request_id,
                                  priority=priority, cache_salt=cache_salt, **extra)
     timer.submitted(ctx.clock())

@@ -15,6 +15,7 @@ from pagedserve.pipeline.ingress.testing import make_test_context
 
 ROUTES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get",
           "/v1/messages": "post", "/v1/responses": "post", "/v1/embeddings": "post",
+          "/v1/load_lora_adapter": "post", "/v1/unload_lora_adapter": "post",
           "/tokenize": "post", "/detokenize": "post", "/infill": "post",
           "/health": "get", "/version": "get", "/metrics": "get"}
 # Behind the API key: /v1, and vLLM's and llama.cpp's routes outside it.
