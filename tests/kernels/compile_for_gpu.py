@@ -116,9 +116,28 @@ def _quant_linear_variants():
                     HAS_PERM=perm, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision))
 
 
+def _lora_variants():
+    """LoRA's segmented shrink and expand (kernels/triton_lora.py) in each activation dtype, at
+    the tiles the wrappers use."""
+    module = importlib.import_module("pagedserve.kernels.triton_lora")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for act, dtype in dtypes.items():
+        precision = module.dot_precision(dtype)
+        segs = dict(rows_ptr="i64", starts_ptr="i64", slots_ptr="i64")
+        yield (f"lora shrink {act}", module._sgmv_shrink_kernel,
+               dict(x_ptr=act, a_ptr=act, y_ptr=act, **segs),
+               dict(BLOCK_M=module.BLOCK_M, BLOCK_R=module.BLOCK_R, BLOCK_K=module.BLOCK_K,
+                    DOT_PRECISION=precision))
+        yield (f"lora expand {act}", module._sgmv_expand_kernel,
+               dict(y_ptr=act, b_ptr=act, out_ptr=act, **segs),
+               dict(BLOCK_M=module.BLOCK_M, BLOCK_R=module.BLOCK_R, BLOCK_N=module.BLOCK_N,
+                    DOT_PRECISION=precision))
+
+
 def all_variants():
     yield from variants()
     yield from _quant_linear_variants()
+    yield from _lora_variants()
 
 
 def compile_variant(arch: int, index: int) -> tuple[str, bool]:

@@ -258,4 +258,5 @@ def test_triton_kernels_compile_for_a_gpu(tmp_path):
     assert proc.returncode == 0 and "\n0 failures" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count(": ok (") >= 52                   # 34 attention/cache + 18 quant_linear
     assert proc.stdout.count(" quant_linear ") >= 18
+    assert proc.stdout.count(" lora ") >= 6                    # shrink and expand, 3 dtypes
 

@@ -83,16 +83,21 @@ class LoRAStack:
         batch = self.step.batch
         if batch is None or x.shape[0] != batch.num_rows:
             return
-        native = x.dtype == torch.float32 and native_lora.supports(x, out)
+        shrink, expand = _kernels(x, out)
+        segs = (batch.rows, batch.seg_starts, batch.seg_slots)
         for part in self.parts:
             view = out[:, part.out_offset:part.out_offset + part.b.shape[2]]
-            if native:
-                y = native_lora.shrink(x, part.a, batch.rows, batch.seg_starts, batch.seg_slots)
-                native_lora.expand(y, part.b, batch.rows, batch.seg_starts, batch.seg_slots, view)
-            else:
-                y = lora_ref.shrink_ref(x, part.a, batch.rows, batch.seg_starts, batch.seg_slots)
-                lora_ref.expand_ref(y, part.b, batch.rows, batch.seg_starts, batch.seg_slots,
-                                    view)
+            expand(shrink(x, part.a, *segs), part.b, *segs, view)
+
+
+def _kernels(x: torch.Tensor, out: torch.Tensor):
+    """(shrink, expand): Triton's on CUDA, the native ones for fp32 on CPU, else torch's."""
+    if x.device.type == "cuda":
+        from pagedserve.kernels import triton_lora   # CPU processes never import Triton
+        return triton_lora.shrink, triton_lora.expand
+    if x.dtype == torch.float32 and native_lora.supports(x, out):
+        return native_lora.shrink, native_lora.expand
+    return lora_ref.shrink_ref, lora_ref.expand_ref
 
 
 def _part_sizes(linear: PackableLinear, parts: int) -> list[int]:
