@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from pagedserve.pipeline.ingress.lora_metrics import lora_requests_info
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -103,6 +105,8 @@ class EngineStatsCollector:
             yield from self._speculation(stats)
         if "kv_host_loads" in stats:
             yield from _kv_tiers(stats)
+        if "lora_running" in stats:
+            yield lora_requests_info(stats)
         yield histogram_family("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                self.model_name, stats.get("iteration_tokens") or {})
         yield self._unknown_messages(stats)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence
+from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, SequenceStatus
+
+RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
 
 
 class StepAdapters:
@@ -36,3 +38,15 @@ class StepAdapters:
         """A sequence of `request` joined the step."""
         if request.lora is not None and self._ids is not None:
             self._ids.add(request.lora.lora_int_id)
+
+
+def lora_stats(queues, max_loras: int) -> dict:
+    """vLLM's lora_requests_info: the adapters of running and of waiting (or swapped)
+    sequences, by name, and the limit (for /metrics: one stats call a second at most)."""
+    running = {seq.request.lora.lora_name for group in (queues.running, queues.prefilling)
+               for seq in group if seq.status is RUNNING and seq.request.lora is not None}
+    waiting = {seq.request.lora.lora_name for heap, status in ((queues.waiting, WAITING),
+                                                                (queues.swapped, SWAPPED))
+               for _, seq in heap if seq.status is status and seq.request.lora is not None}
+    return {"lora_running": sorted(running), "lora_waiting": sorted(waiting),
+            "max_lora": max_loras}

@@ -99,6 +99,10 @@ def test_load_use_unload_reload_while_32_streams_run(served):
                        for i, m in enumerate(models)]
             await asyncio.gather(*(event.wait() for event in started))
             assert not any(s.done() for s, m in zip(streams, models) if m == "hot")
+            metrics = (await client.get("/metrics")).text
+            info = next(line for line in metrics.splitlines()
+                        if line.startswith("vllm:lora_requests_info{"))
+            assert 'max_lora="2"' in info and 'running_lora_adapters="first,hot"' in info
             unload = await client.post("/v1/unload_lora_adapter", json={"lora_name": "hot"},
                                        headers=AUTH)
             assert unload.status_code == 200
