@@ -48,6 +48,8 @@ class BaseShapes:
     q_size: int
     kv_size: int
     intermediate: int
+    num_heads: int = 0      # (a llama GGUF adapter's q/k rows are permuted per head)
+    num_kv_heads: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "BaseShapes":
@@ -57,7 +59,7 @@ class BaseShapes:
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         kv_heads = config.get("num_key_value_heads") or heads
         return cls(arch, config["num_hidden_layers"], config["hidden_size"], heads * head_dim,
-                   kv_heads * head_dim, config["intermediate_size"])
+                   kv_heads * head_dim, config["intermediate_size"], heads, kv_heads)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "BaseShapes":
@@ -216,8 +218,7 @@ def safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
 
 
 def _gguf_targets(path: Path, base: BaseShapes) -> dict[tuple[int, str], AdapterTensors]:
-    from pagedserve.pipeline.lora_gguf import read_gguf_adapter
-    alpha, header = read_gguf_adapter(path)
+    alpha, header, _ = read_gguf_adapter(path)
     pairs = _pair_tensors(header, _GGUF_NAME, GGUF_TARGETS.get, "AB")
     targets = {}
     for (layer, module), (a_name, b_name) in pairs.items():
@@ -225,3 +226,35 @@ def _gguf_targets(path: Path, base: BaseShapes) -> dict[tuple[int, str], Adapter
         targets[layer, module] = AdapterTensors(a_name, b_name, rank,
                                                 (alpha or rank) / rank)
     return targets
+
+
+# llama.cpp's LoRA GGUF header (convert_lora_to_gguf.py): tensor shapes are given as torch sees
+# them, lora_a [r, in] and lora_b [out, r] (GGUF lists dimensions innermost first).
+GGUF_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+
+
+def read_gguf_adapter(path: Path) -> tuple[float, dict[str, tuple[str, list[int]]], str]:
+    """(alpha, name -> (dtype, shape), general.architecture)."""
+    from gguf import GGUFReader
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:   # gguf-py raises ValueError, struct.error, ... on a bad file
+        raise LoRAFileError(f"{path.name} is not a GGUF file: {type(exc).__name__}") from None
+    kind = _string(reader, "general.type")
+    if kind != "adapter" or _string(reader, "adapter.type") != "lora":
+        raise LoRAFileError(f"{path.name} is not a LoRA adapter GGUF (general.type {kind!r}, "
+                            f"adapter.type {_string(reader, 'adapter.type')!r})")
+    field = reader.get_field("adapter.lora.alpha")
+    alpha = float(field.parts[field.data[0]][0]) if field is not None else 0.0
+    header = {}
+    for tensor in reader.tensors:
+        dtype = GGUF_FLOAT_TYPES.get(int(tensor.tensor_type), tensor.tensor_type.name)
+        header[tensor.name] = (dtype, [int(d) for d in reversed(tensor.shape.tolist())])
+    return alpha, header, _string(reader, "general.architecture") or ""
+
+
+def _string(reader, key: str) -> str | None:
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")

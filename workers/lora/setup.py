@@ -27,7 +27,8 @@ class LoRASetup:
 def base_shapes(config: ModelConfig) -> BaseShapes:
     return BaseShapes(config.architecture, config.num_hidden_layers, config.hidden_size,
                       config.num_attention_heads * config.head_dim,
-                      config.num_key_value_heads * config.head_dim, config.intermediate_size)
+                      config.num_key_value_heads * config.head_dim, config.intermediate_size,
+                      config.num_attention_heads, config.num_key_value_heads)
 
 
 def lora_manager(model: nn.Module, config: ModelConfig, setup: LoRASetup | None,

@@ -42,3 +42,36 @@ def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt: li
         out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                                     min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def peft_to_gguf(adapter_dir: str | Path, out_file: str | Path, *, num_heads: int,
+                 num_kv_heads: int) -> Path:
+    """The GGUF that llama.cpp's convert_lora_to_gguf.py writes for a llama PEFT adapter (F32):
+    general.type adapter, adapter.lora.alpha, blk.N.<name>.weight.lora_a/lora_b, q/k rows of
+    lora_b permuted as its converter permutes the base model's q/k."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out_file), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for name, value in sorted(load_file(Path(adapter_dir) / "adapter_model.safetensors").items()):
+        parts = name.split(".")
+        layer, module, half = parts[parts.index("layers") + 1], parts[-3], parts[-2][-1]
+        if half == "B" and module in ("q_proj", "k_proj"):
+            heads = num_heads if module == "q_proj" else num_kv_heads
+            value = value.reshape(heads, 2, value.shape[0] // heads // 2, value.shape[1])
+            value = value.swapaxes(1, 2).reshape(-1, value.shape[-1])
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{half.lower()}",
+                          value.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_file)
