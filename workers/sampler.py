@@ -43,7 +43,14 @@ class Sampler:
                  token_ids: list[list[int]], num_prompt_tokens: list[int],
                  may_modify: bool = False) -> SamplerOutput:
         """`may_modify`: the caller reads `logits` no more, so penalties and biases may be
-        applied to them in place instead of to a copy of the whole [N, V] (fp32 rows)."""
+        applied to them in place instead of to a copy of the whole [N, V] (fp32 rows). The
+        model's logits are inference tensors: only inference mode may change them in place."""
+        with torch.inference_mode():
+            return self._sample(logits, params, token_ids, num_prompt_tokens, may_modify)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                token_ids: list[list[int]], num_prompt_tokens: list[int],
+                may_modify: bool) -> SamplerOutput:
         num_rows = logits.shape[0]
         if not (len(params) == len(token_ids) == len(num_prompt_tokens) == num_rows):
             raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params, "

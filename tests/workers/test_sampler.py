@@ -348,3 +348,14 @@ def test_in_place_and_deferred_temperature_draw_what_scaling_every_row_first_dra
         want = sample_top_k_top_p(scaled, torch.full((6,), k), torch.full((6,), p.top_p),
                                   uniform)
     assert fast.token_ids == want.tolist()
+
+
+def test_logits_made_in_inference_mode_are_penalised_in_place():
+    """The model's forward runs under torch.inference_mode: its logits may only be changed in
+    place inside inference mode, which the sampler enters itself (a worker calls it outside)."""
+    with torch.inference_mode():
+        logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={4: 2.0})] * 3
+    want = Sampler(seed=0)(logits.clone(), params, [[1, 2, 3]] * 3, [2] * 3).token_ids
+    got = Sampler(seed=0)(logits, params, [[1, 2, 3]] * 3, [2] * 3, may_modify=True).token_ids
+    assert got == want
