@@ -24,6 +24,7 @@ from pagedserve.pipeline.ingress.streaming import EngineStreamResponse
 from pagedserve.pipeline.ingress.validation import read_json_object
 from pagedserve.pipeline.ingress.webui import add_webui_routes
 from pagedserve.pipeline.router.infill import stream_infill
+from pagedserve.pipeline.router.lora import broadcast
 from pagedserve.pipeline.router.models import ModelUnavailable
 from pagedserve.pipeline.router.passthrough import anthropic_error, stream_messages
 from pagedserve.pipeline.router.prompts import NON_GENERATING
@@ -145,7 +146,10 @@ def build_router_app(service: RouterService, api_keys: list[str],
             return _error(exc)
         created = int(time.time())
         return JSONResponse({"object": "list", "data": [
-            _model_card(service, m, created) for m in service.models.slots.models]})
+            _model_card(service, m, created) for m in service.models.slots.models]
+            + service.adapters.cards(created)})
+
+    add_lora_routes(app, service, keys)
 
     @app.get("/health")
     async def health() -> Response:
@@ -165,6 +169,37 @@ def build_router_app(service: RouterService, api_keys: list[str],
     add_webui_routes(app, router_state(service), dependencies=[Depends(keys.caller)])
 
     return app
+
+
+def add_lora_routes(app: FastAPI, service: RouterService, keys: ApiKeys) -> None:
+    """vLLM's adapter loading, sent to every replica of the model (`base_model`: which one,
+    when the router serves several) and remembered for routing (lora.py)."""
+    for path, loading in (("/v1/load_lora_adapter", True), ("/v1/unload_lora_adapter", False)):
+        app.add_api_route(path, _lora_forwarder(service, keys, path, loading), methods=["POST"])
+
+
+def _lora_forwarder(service: RouterService, keys: ApiKeys, path: str, loading: bool):
+    async def forward(request: Request) -> Response:
+        try:
+            keys.caller(request)
+            body = await _json_body(request, service)
+        except RouterError as exc:
+            return _error(exc)
+        name, served = body.get("lora_name"), service.models.slots.models
+        base = body.pop("base_model", None) or (served[0] if len(served) == 1 else None)
+        if not loading:
+            base = service.adapters.base(name) or base
+        if base not in served:
+            return _error(RouterError(400, f"base_model must name one of the served models "
+                                           f"({', '.join(served)})", code="invalid_base_model"))
+        status, content = await broadcast(service.http, service.core.of_model(base), path, body)
+        if status == 200 and isinstance(name, str):
+            if loading:
+                service.adapters.base_of[name] = base
+            else:
+                service.adapters.base_of.pop(name, None)
+        return Response(content, status_code=status, media_type="application/json")
+    return forward
 
 
 def _model_card(service: RouterService, model: str, created: int) -> dict[str, Any]:

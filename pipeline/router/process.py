@@ -19,6 +19,7 @@ from pagedserve.pipeline.ingress.limits import uvicorn_settings
 from pagedserve.pipeline.router.app import build_router_app
 from pagedserve.pipeline.router.config import RouterConfig, config_from_argv
 from pagedserve.pipeline.router.core import RouterCore, RoutingPolicy
+from pagedserve.pipeline.router.lora import RouterAdapters
 from pagedserve.pipeline.router.metrics import RouterMetrics
 from pagedserve.pipeline.router.model_slots import ModelSlots
 from pagedserve.pipeline.router.models import ModelManager
@@ -62,6 +63,7 @@ def build(cfg: RouterConfig):
                              stall_timeout=cfg.stall_timeout, replica_wait=cfg.replica_wait)
     service = RouterService(core, pool, models, limiter, metrics, http, settings,
                             priority_floors={k: v.priority_floor for k, v in cfg.api_keys.items()})
+    service.adapters = RouterAdapters.from_specs(cfg.models.values())
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -17,6 +17,7 @@ import httpx
 
 from pagedserve.pipeline.router.affinity import prefix_key
 from pagedserve.pipeline.router.core import NoReplica, Replica, RouterCore
+from pagedserve.pipeline.router.lora import RouterAdapters, adapter_key
 from pagedserve.pipeline.router.metrics import RouterMetrics
 from pagedserve.pipeline.router.models import ModelManager
 from pagedserve.pipeline.router.pool import ReplicaPool
@@ -71,6 +72,7 @@ class Routed:
     api_key: str
     prompt_estimate: int
     charged: int         # tokens the key is charged for it now (settled as it streams and ends)
+    adapter: str | None = None   # the LoRA adapter its `model` named (`model`: its base)
 
 
 class RouterService:
@@ -82,6 +84,7 @@ class RouterService:
         self.core, self.pool, self.models, self.limiter = core, pool, models, limiter
         self.metrics, self.http, self.settings, self.clock = metrics, http, settings, clock
         self.priority_floors = priority_floors or {}  # by API key (priority.py)
+        self.adapters = RouterAdapters()  # LoRA adapters by name (lora.py)
 
     # -- admission -----------------------------------------------------------------------------
     def route(self, kind: str, body: dict[str, Any], api_key: str) -> Routed:
@@ -92,7 +95,8 @@ class RouterService:
         served = self.models.slots.models
         if model is None and len(served) == 1:
             model = served[0]
-        if model not in served:
+        adapter, base = (model, self.adapters.base(model)) if model not in served else (None, None)
+        if model not in served and base is None:
             self.metrics.rejected.labels("unknown_model").inc()
             raise RouterError(404, f"The model `{model}` does not exist (served: "
                               f"{', '.join(served)}).", code="model_not_found")
@@ -107,6 +111,9 @@ class RouterService:
             self.metrics.rejected.labels("rate_limited").inc()
             raise RouterError(429, f"rate limit of this API key reached: retry in {wait:.1f} s",
                               code="rate_limit_exceeded", retry_after=wait)
+        if adapter is not None:   # its requests gather on the replica that holds it
+            return Routed(kind, body, base, adapter_key(adapter), cost, api_key, prompt, cost,
+                          adapter)
         key = prefix_key(affinity_prompt(kind, body), block_size=self.settings.block_size,
                          num_blocks=self.settings.affinity_blocks)
         return Routed(kind, {**body, "model": model}, model, key, cost, api_key, prompt, cost)
@@ -268,8 +275,8 @@ class RouterService:
                            ) -> AsyncIterator[dict[str, Any] | str]:
         if state.resumed:
             url = replica.url + PATHS["completion"]
-            body = state.continuation_body(replica.upstream_model or routed.model,
-                                           replica.max_model_len)
+            body = state.continuation_body(routed.adapter or replica.upstream_model
+                                           or routed.model, replica.max_model_len)
             log.info("resuming a stream on %s after %d tokens (%d of them again)",
                      replica.replica_id, state.delivery.num_tokens,
                      len(state.delivery.tail_ids))
