@@ -16,12 +16,13 @@ from ._checks import require
 def check_segments(what: str, rows: torch.Tensor, seg_starts: torch.Tensor,
                    seg_slots: torch.Tensor, num_slots: int) -> None:
     """Shapes only: int64 rows [n], seg_starts [S + 1], seg_slots [S], on one device."""
-    require(rows.dtype == seg_starts.dtype == seg_slots.dtype == torch.int64
+    if not (rows.dtype == seg_starts.dtype == seg_slots.dtype == torch.int64
             and rows.dim() == seg_starts.dim() == seg_slots.dim() == 1
-            and seg_starts.numel() == seg_slots.numel() + 1,
-            f"{what}: rows [n], seg_starts [S + 1] and seg_slots [S] must be 1-D int64, got "
-            f"{tuple(rows.shape)} {rows.dtype}, {tuple(seg_starts.shape)} {seg_starts.dtype}, "
-            f"{tuple(seg_slots.shape)} {seg_slots.dtype}")
+            and seg_starts.numel() == seg_slots.numel() + 1):
+        raise ValueError(f"{what}: rows [n], seg_starts [S + 1] and seg_slots [S] must be 1-D "
+                         f"int64, got {tuple(rows.shape)} {rows.dtype}, "
+                         f"{tuple(seg_starts.shape)} {seg_starts.dtype}, "
+                         f"{tuple(seg_slots.shape)} {seg_slots.dtype}")
     require(num_slots > 0, f"{what}: the weight stack has no slots")
 
 

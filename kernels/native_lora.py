@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from . import native
-from ._checks import require
 from .lora_ref import check_segments
 
 FEATURE = "lora"
@@ -23,14 +22,18 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 def _check(what: str, data: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
            seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    """Shapes, dtypes and devices only; plain ifs, so that a message is formatted only when a
+    check fails (these run 4 times a layer in every adapter step)."""
     check_segments(what, rows, seg_starts, seg_slots, weights.shape[0])
-    require(weights.dim() == 3 and weights.is_contiguous() and data.dim() == 2
+    if not (weights.dim() == 3 and weights.is_contiguous() and data.dim() == 2
             and data.stride(1) == 1 and supports(data, weights)
             and rows.device.type == seg_starts.device.type == seg_slots.device.type == "cpu"
-            and rows.is_contiguous() and seg_starts.is_contiguous() and seg_slots.is_contiguous(),
-            f"{what}: expected contiguous fp32 CPU weights [slots, R, K|N], rows of fp32 data "
-            f"and contiguous CPU segments, got {weights.dtype} {tuple(weights.shape)} and {data.dtype} "
-            f"{tuple(data.shape)} on {data.device}")
+            and rows.is_contiguous() and seg_starts.is_contiguous()
+            and seg_slots.is_contiguous()):
+        raise ValueError(f"{what}: expected contiguous fp32 CPU weights [slots, R, K|N], rows "
+                         f"of fp32 data and contiguous CPU segments, got {weights.dtype} "
+                         f"{tuple(weights.shape)} and {data.dtype} {tuple(data.shape)} on "
+                         f"{data.device}")
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, seg_starts: torch.Tensor,
@@ -38,7 +41,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, seg_starts: tor
     """y [len(rows), R] = A[slot] x[row] per listed row (A [slots, R, K])."""
     _check("native_lora.shrink", x, a, rows, seg_starts, seg_slots)
     slots, r, k = a.shape
-    require(x.shape[1] == k, f"native_lora.shrink: x has {x.shape[1]} columns, A {k}")
+    if x.shape[1] != k:
+        raise ValueError(f"native_lora.shrink: x has {x.shape[1]} columns, A {k}")
     y = torch.empty(rows.numel(), r, dtype=torch.float32)
     if not rows.numel():
         return y
@@ -46,7 +50,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, seg_starts: tor
         x.data_ptr(), x.stride(0), k, rows.data_ptr(), seg_starts.data_ptr(),
         seg_slots.data_ptr(), seg_slots.numel(), a.data_ptr(), slots, r, y.data_ptr(), r,
         threads or torch.get_num_threads())
-    require(status == 0, f"native_lora.shrink: bad sizes or segments (status {status}): "
+    if status != 0:
+        raise ValueError(f"native_lora.shrink: bad sizes or segments (status {status}): "
                          f"x {tuple(x.shape)}, A {tuple(a.shape)}, {seg_slots.numel()} segments")
     return y
 
@@ -58,15 +63,16 @@ def expand(y: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, seg_starts: tor
     of a wider tensor); returns out."""
     _check("native_lora.expand", y, b, rows, seg_starts, seg_slots)
     slots, r, n = b.shape
-    require(y.shape == (rows.numel(), r) and out.dim() == 2 and out.shape[1] == n
-            and out.stride(1) == 1 and supports(out),
-            f"native_lora.expand: y {tuple(y.shape)}, B {tuple(b.shape)} and out "
-            f"{tuple(out.shape)} (fp32, unit column stride) do not fit")
+    if not (y.shape == (rows.numel(), r) and out.dim() == 2 and out.shape[1] == n
+            and out.stride(1) == 1 and supports(out)):
+        raise ValueError(f"native_lora.expand: y {tuple(y.shape)}, B {tuple(b.shape)} and out "
+                         f"{tuple(out.shape)} (fp32, unit column stride) do not fit")
     if not rows.numel():
         return out
     status = native.library(FEATURE).lora_expand_f32(
         y.data_ptr(), y.stride(0), r, rows.data_ptr(), seg_starts.data_ptr(),
         seg_slots.data_ptr(), seg_slots.numel(), b.data_ptr(), slots, n, out.data_ptr(),
         out.stride(0), threads or torch.get_num_threads())
-    require(status == 0, f"native_lora.expand: bad sizes or segments (status {status})")
+    if status != 0:
+        raise ValueError(f"native_lora.expand: bad sizes or segments (status {status})")
     return out

@@ -8,11 +8,12 @@
  * whatever the rows' places in the batch (rows holds their indices: no gather copy). The
  * scaling is folded into B when the adapter is loaded (workers/lora/).
  *
- * Tiles: shrink takes ROWS rows x 2 rank rows over K (8 accumulators); expand ROWS rows x 2
- * vectors of output columns over R (8 accumulators, 2 weight vectors, a broadcast): within
- * AVX2's 16 registers. The vector is 16 lanes where AVX-512F is compiled in, else 8 (GCC
- * vector extensions, as vec8.h). Tasks are (segment, rank pair) for shrink and (segment,
- * column panel) for expand, on the shared task pool; small calls stay on one thread. */
+ * Tiles: shrink takes ROWS rows x NR rank rows over K, expand ROWS rows x NV vectors of output
+ * columns over R: 8 accumulators within AVX2's 16 registers (NR = NV = 2, 8-lane vectors), 16
+ * within AVX-512's 32 (NR = NV = 4, 16 lanes; GCC vector extensions, as vec8.h). Tasks are
+ * (segment, NR rank rows) for shrink and (segment, column panel) for expand, on the shared task
+ * pool. A decode step's calls are tens of microseconds: they stay on the calling thread, as
+ * waking a helper costs about that much (and far more when the cores are shared). */
 #include <stdint.h>
 #include <string.h>
 
@@ -20,15 +21,18 @@
 
 #ifdef __AVX512F__
 #define VW 16
+#define NR 4
 #else
 #define VW 8
+#define NR 2
 #endif
+#define NV NR
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define ROWS 4
-#define PANEL (2 * VW)                  /* expand: output columns of one tile */
-#define SINGLE_THREAD_FLOPS (1 << 18)   /* below this a call stays on the calling thread */
+#define PANEL (NV * VW)                 /* expand: output columns of one tile */
+#define SINGLE_THREAD_FLOPS (1 << 23)   /* below this a call stays on the calling thread */
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf v) { *(vfu *)p = v; }
@@ -46,38 +50,36 @@ typedef struct {
     int64_t units;              /* tasks per segment */
 } lora_job;
 
-/* y rows [i0, i0 + m) (m <= ROWS), rank rows r0 and r0 + 1 (if < R) of one adapter. */
+/* y rows [i0, i0 + m) (m <= ROWS), rank rows r0 .. r0 + NR - 1 (those < R) of one adapter. */
 static void shrink_tile(const lora_job *j, const float *a, int64_t i0, int m, int64_t r0) {
     const int64_t k = j->k, kv = k - k % VW;
-    const int two = r0 + 1 < j->r;
-    const float *a0 = a + r0 * k, *a1 = two ? a0 + k : a0;
-    const float *xr[ROWS];
+    const float *ar[NR], *xr[ROWS];
+    for (int q = 0; q < NR; q++) ar[q] = a + (r0 + q < j->r ? r0 + q : r0) * k;
     for (int t = 0; t < ROWS; t++) xr[t] = j->x + j->rows[i0 + (t < m ? t : 0)] * j->ldx;
-    vf acc0[ROWS], acc1[ROWS];
-    for (int t = 0; t < ROWS; t++) acc0[t] = acc1[t] = (vf){0};
+    vf acc[ROWS][NR];
+    for (int t = 0; t < ROWS; t++)
+        for (int q = 0; q < NR; q++) acc[t][q] = (vf){0};
     for (int64_t c = 0; c < kv; c += VW) {
-        const vf w0 = loadv(a0 + c), w1 = loadv(a1 + c);
+        vf w[NR];
+        for (int q = 0; q < NR; q++) w[q] = loadv(ar[q] + c);
         for (int t = 0; t < ROWS; t++) {
             const vf xv = loadv(xr[t] + c);
-            acc0[t] += xv * w0;
-            acc1[t] += xv * w1;
+            for (int q = 0; q < NR; q++) acc[t][q] += xv * w[q];
         }
     }
     for (int t = 0; t < m; t++) {
-        float s0 = hsum(acc0[t]), s1 = hsum(acc1[t]);
-        for (int64_t c = kv; c < k; c++) {
-            s0 += xr[t][c] * a0[c];
-            s1 += xr[t][c] * a1[c];
-        }
         float *y = j->out + (i0 + t) * j->ldo;
-        y[r0] = s0;
-        if (two) y[r0 + 1] = s1;
+        for (int q = 0; q < NR && r0 + q < j->r; q++) {
+            float sum = hsum(acc[t][q]);
+            for (int64_t c = kv; c < k; c++) sum += xr[t][c] * ar[q][c];
+            y[r0 + q] = sum;
+        }
     }
 }
 
 static void shrink_task(void *ctx, int64_t task) {
     const lora_job *j = ctx;
-    const int64_t seg = task / j->units, r0 = (task % j->units) * 2;
+    const int64_t seg = task / j->units, r0 = (task % j->units) * NR;
     const float *a = j->w + j->seg_slots[seg] * j->r * j->k;
     for (int64_t i = j->seg_starts[seg]; i < j->seg_starts[seg + 1]; i += ROWS) {
         const int64_t left = j->seg_starts[seg + 1] - i;
@@ -89,20 +91,20 @@ static void shrink_task(void *ctx, int64_t task) {
 static void expand_tile(const lora_job *j, const float *b, int64_t i0, int m, int64_t c0) {
     const float *yr[ROWS];
     for (int t = 0; t < ROWS; t++) yr[t] = j->x + (i0 + (t < m ? t : 0)) * j->ldx;
-    vf acc0[ROWS], acc1[ROWS];
-    for (int t = 0; t < ROWS; t++) acc0[t] = acc1[t] = (vf){0};
+    vf acc[ROWS][NV];
+    for (int t = 0; t < ROWS; t++)
+        for (int v = 0; v < NV; v++) acc[t][v] = (vf){0};
     for (int64_t q = 0; q < j->r; q++) {
-        const vf w0 = loadv(b + q * j->n + c0), w1 = loadv(b + q * j->n + c0 + VW);
+        vf w[NV];
+        for (int v = 0; v < NV; v++) w[v] = loadv(b + q * j->n + c0 + v * VW);
         for (int t = 0; t < ROWS; t++) {
             const float yv = yr[t][q];
-            acc0[t] += yv * w0;
-            acc1[t] += yv * w1;
+            for (int v = 0; v < NV; v++) acc[t][v] += yv * w[v];
         }
     }
     for (int t = 0; t < m; t++) {
         float *o = j->out + j->rows[i0 + t] * j->ldo + c0;
-        storev(o, loadv(o) + acc0[t]);
-        storev(o + VW, loadv(o + VW) + acc1[t]);
+        for (int v = 0; v < NV; v++) storev(o + v * VW, loadv(o + v * VW) + acc[t][v]);
     }
 }
 
@@ -150,7 +152,7 @@ int lora_shrink_f32(const float *x, int64_t ldx, int64_t k, const int64_t *rows,
                     int threads) {
     if (k < 1 || r < 1 || nseg < 0 || ldx < k || ldy < r) return -1;
     if (check_segments(seg_starts, seg_slots, nseg, num_slots)) return -2;
-    lora_job job = {x, a, y, ldx, ldy, k, r, 0, rows, seg_starts, seg_slots, (r + 1) / 2};
+    lora_job job = {x, a, y, ldx, ldy, k, r, 0, rows, seg_starts, seg_slots, (r + NR - 1) / NR};
     const int64_t flops = 2 * (seg_starts[nseg] - seg_starts[0]) * r * k;
     pa_run_tasks(threads_for(flops, threads), shrink_task, &job, nseg * job.units);
     return 0;

@@ -13,9 +13,11 @@ from pagedserve.kernels import lora_ref, native_lora
 
 pytestmark = PER_VARIANT
 
-# (rows, slots, K, rank, N): a decode batch of SmolLM2's q/k shapes, odd sizes with column tails,
-# one row, a wide expand (its MLP's gate)
-SHAPES = [(64, 8, 576, 16, 192), (7, 3, 100, 8, 37), (1, 1, 64, 64, 64), (33, 4, 96, 8, 1536)]
+# (rows, slots, K, rank, N): a decode batch of SmolLM2's q/k shapes, odd sizes with column tails
+# and a rank short of a tile, one row, a wide expand (its MLP's gate), and a prefill large enough
+# for the kernels to split over threads
+SHAPES = [(64, 8, 576, 16, 192), (7, 3, 100, 7, 37), (1, 1, 64, 64, 64), (33, 4, 96, 8, 1536),
+          (400, 4, 1536, 32, 1536)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

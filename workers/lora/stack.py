@@ -41,11 +41,12 @@ class StepLoRA:
 
 @dataclass(slots=True)
 class _Part:
-    """One adapted projection inside a linear: its output columns and its weight slots."""
+    """One adapted projection inside a linear: its output columns, its rank rows in the
+    linear's A (and so its columns of the shrink's result) and its B slots."""
 
     module: str
     out_offset: int
-    a: torch.Tensor   # [slots, R, K]
+    rank_offset: int
     b: torch.Tensor   # [slots, R, N]
 
 
@@ -56,26 +57,27 @@ class LoRAStack:
         self.num_slots, self.max_rank = num_slots, max_rank
         out, k = linear.weight.shape   # (a packed linear's plain weight may be meta by now)
         sizes = _part_sizes(linear, len(modules))
-        dtype = linear.weight.dtype
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.parts = [_Part(m, off, torch.zeros(num_slots, max_rank, k, dtype=dtype, device=device),
-                            torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device))
-                      for m, off, n in zip(modules, offsets, sizes)]
         if sum(sizes) != out:
             raise ValueError(f"LoRA parts {sizes} do not cover the linear's {out} outputs")
+        dtype = linear.weight.dtype
+        # The parts' A stacked: one shrink reads x once for q, k and v (or gate and up).
+        self.a = torch.zeros(num_slots, len(modules) * max_rank, k, dtype=dtype, device=device)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.parts = [_Part(m, off, i * max_rank,
+                            torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device))
+                      for i, (m, off, n) in enumerate(zip(modules, offsets, sizes))]
 
     def write(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` takes an adapter's full (unsharded) A [r, in] and scaled B [out, r] per
         projection name; projections it leaves out are zero."""
+        self.a[slot].zero_()
         for part in self.parts:
-            part.a[slot].zero_()
             part.b[slot].zero_()
             if part.module not in weights:
                 continue
-            a, b = weights[part.module]
-            a, b = _shard(self.linear, part.module, a, b)
+            a, b = _shard(self.linear, part.module, *weights[part.module])
             r = a.shape[0]
-            part.a[slot, :r].copy_(a)
+            self.a[slot, part.rank_offset:part.rank_offset + r].copy_(a)
             part.b[slot, :r].copy_(b.t())
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -85,9 +87,11 @@ class LoRAStack:
             return
         shrink, expand = _kernels(x, out)
         segs = (batch.rows, batch.seg_starts, batch.seg_slots)
+        y = shrink(x, self.a, *segs)
+        rank = self.max_rank
         for part in self.parts:
             view = out[:, part.out_offset:part.out_offset + part.b.shape[2]]
-            expand(shrink(x, part.a, *segs), part.b, *segs, view)
+            expand(y[:, part.rank_offset:part.rank_offset + rank], part.b, *segs, view)
 
 
 def _kernels(x: torch.Tensor, out: torch.Tensor):
