@@ -96,3 +96,37 @@ def test_a_full_disk_degrades_to_recompute(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(kv_tiers, "write_block", full)
     got, stats = _run(tiny_dir, prompts, kv_offload_dir=str(tmp_path / "full"))
     assert got == expected and stats["kv_disk_failures"] == stats["kv_disk_stores"] > 0
+
+
+def _build(tiny_dir, **tiers):
+    return EngineCore.build(EngineConfig.from_kwargs(
+        model=str(tiny_dir), dtype="float32", kv_cache_memory=16 * 8 * 2 * 2 * 16 * 4 * 2,
+        block_size=8, max_num_seqs=2, max_num_batched_tokens=64, swap_space=0.0, **tiers))
+
+
+def _serve(core, request_id, prompt):
+    core.submit(messages.AddRequest(request_id=request_id, prompt_token_ids=prompt,
+                                    sampling=SamplingParams(max_tokens=6, ignore_eos=True,
+                                                            temperature=0.0),
+                                    arrival_time=0.0))
+    tokens, step = [], 0
+    while core.has_unfinished():
+        tokens += [t for msg in core.step(float(step)) for d in msg.deltas for t in d.token_ids]
+        step += 1
+    if core.worker.tiers.writer is not None:
+        assert core.worker.tiers.writer.flush(10.0)
+    return tokens
+
+
+def test_two_live_replicas_share_the_disk_tier(tiny_dir, tmp_path):
+    """Data-parallel replicas on one host: both started on one directory, a prefix that one
+    of them computed and wrote is found by the other, which never saw it - the router's
+    affinity is a preference, not a requirement."""
+    prompt = _prompts()[0]
+    expected, _ = _run(tiny_dir, [prompt])
+    shared = str(tmp_path / "shared")
+    first, second = _build(tiny_dir, kv_offload_dir=shared), _build(tiny_dir, kv_offload_dir=shared)
+    assert _serve(first, "a", prompt) == expected[0]
+    assert first.stats()["kv_disk_stores"] > 0 and second.stats()["kv_disk_hit_tokens"] == 0
+    assert _serve(second, "b", prompt) == expected[0]
+    assert second.stats()["kv_disk_hit_tokens"] >= 40 and second.stats()["kv_disk_loads"] > 0
