@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
 from bench_step import cpu_info, timed  # noqa: E402
 
+from pagedserve.kernels import native  # noqa: E402
 from pagedserve.pipeline.lora_files import TARGETS  # noqa: E402
 from pagedserve.pipeline.lora_request import LoRARequest  # noqa: E402
 from pagedserve.workers.lora.setup import LoRASetup, base_shapes  # noqa: E402
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
               "lora_step_ms": round(lora_med, 2),
               "overhead": round(lora_med / base_med - 1, 4),
               "base_step_ms_all": [round(t, 2) for t in base_ms],
-              "lora_step_ms_all": [round(t, 2) for t in lora_ms], **cpu_info()}
+              "lora_step_ms_all": [round(t, 2) for t in lora_ms],
+              "native_variant": native.variant(), **cpu_info()}
     bench_record.finish("bench_lora", result, args.no_store, argv)
     return result
 
