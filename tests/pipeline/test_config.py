@@ -78,9 +78,10 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4},
                  restart_window=7.0, heartbeat_timeout=3.0,
-                 pooler_config='{"pooling_type": "MEAN"}')
+                 pooler_config='{"pooling_type": "MEAN"}', enable_lora=True, max_loras=3,
+                 max_lora_rank=32, max_cpu_loras=5, lora_modules=["a=/x", "b=/y"])
     config = EngineConfig.from_kwargs(model="/some/dir", **given)
-    for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
+    for section in ("model", "cache", "parallel", "scheduling", "supervisor", "lora"):
         defaults = asdict(getattr(EngineConfig(), section))
         assert all(asdict(getattr(config, section))[k] != v for k, v in defaults.items()
                    if k != "model"), f"{section}: the test leaves a field at its default"
@@ -88,7 +89,7 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
     argv = _config_to_argv(config, "/some/dir")
     argv.remove("--die-with-parent")   # the launcher's own flag (pipeline/launch.py)
     back = _cfg(*argv)
-    for section in ("model", "cache", "parallel", "scheduling", "supervisor"):
+    for section in ("model", "cache", "parallel", "scheduling", "supervisor", "lora"):
         assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
 
 
