@@ -62,6 +62,11 @@ def test_models_lists_adapters_under_their_base(served):
     missing = httpx.post(f"{url}/v1/completions", headers=AUTH,
                          json={"model": "nope", "prompt": "hi", "max_tokens": 1})
     assert missing.status_code == 404 and "'first'" in missing.json()["error"]["message"]
+    chats = [httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={
+        "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+        "temperature": 0, "ignore_eos": True}).json() for model in ("first", "base")]
+    assert [c["usage"]["completion_tokens"] for c in chats] == [8, 8]
+    assert chats[0]["choices"][0]["message"] != chats[1]["choices"][0]["message"]
 
 
 def test_load_endpoints_are_behind_the_key_and_check_their_input(served):
