@@ -80,17 +80,23 @@ def test_offline_api_forwards_every_engine_argument_to_the_group(tmp_path):
                  restart_window=7.0, heartbeat_timeout=3.0,
                  pooler_config='{"pooling_type": "MEAN"}', enable_lora=True, max_loras=3,
                  max_lora_rank=32, max_cpu_loras=5, lora_modules=["a=/x", "b=/y"])
-    config = EngineConfig.from_kwargs(model="/some/dir", **given)
-    for section in ("model", "cache", "parallel", "scheduling", "supervisor", "lora"):
+    # the KV tiers keep prefix-cached blocks: a second config turns them on with the cache
+    tiers = dict(kv_offload_memory="2MiB", kv_offload_dir="/tiers", kv_offload_disk_size="1GiB")
+    configs = [EngineConfig.from_kwargs(model="/some/dir", **given),
+               EngineConfig.from_kwargs(model="/some/dir", **tiers)]
+    sections = ("model", "cache", "parallel", "scheduling", "supervisor", "lora")
+    for section in sections:
         defaults = asdict(getattr(EngineConfig(), section))
-        assert all(asdict(getattr(config, section))[k] != v for k, v in defaults.items()
-                   if k != "model"), f"{section}: the test leaves a field at its default"
-    config.ipc.ipc_dir = str(tmp_path / "ipc")
-    argv = _config_to_argv(config, "/some/dir")
-    argv.remove("--die-with-parent")   # the launcher's own flag (pipeline/launch.py)
-    back = _cfg(*argv)
-    for section in ("model", "cache", "parallel", "scheduling", "supervisor", "lora"):
-        assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
+        assert all(any(asdict(getattr(c, section))[k] != v for c in configs)
+                   for k, v in defaults.items() if k != "model"), \
+            f"{section}: the test leaves a field at its default"
+    for config in configs:
+        config.ipc.ipc_dir = str(tmp_path / "ipc")
+        argv = _config_to_argv(config, "/some/dir")
+        argv.remove("--die-with-parent")   # the launcher's own flag (pipeline/launch.py)
+        back = _cfg(*argv)
+        for section in sections:
+            assert asdict(getattr(back, section)) == asdict(getattr(config, section)), section
 
 
 def test_grammar_compile_timeout_flag():
