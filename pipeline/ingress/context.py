@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class IngressContext:
     hidden_size: int = 0                  # an embedding's length (`dimensions` <= it)
     is_encoder: bool = False              # embeddings only (BERT)
     loras: LoRARegistry | None = None     # --enable-lora: the adapters served by name
+    lora_state_file: str | None = None    # where they are kept for a restart (lora_routes.py)
     clock: Callable[[], float] = time.monotonic
     guard: RequestGuard = field(default_factory=RequestGuard)  # quarantine (request_guard.py)
     metrics: IngressMetrics = field(init=False)
@@ -57,6 +59,8 @@ class IngressContext:
     def from_config(cls, cfg, engine: Any, tokenizer: Any) -> "IngressContext":
         """cfg: an EngineConfig whose model_info the launcher resolved."""
         from pagedserve.pipeline.ingress.lora_routes import build_registry
+        state_file = os.path.join(cfg.ipc.ipc_dir, "lora_adapters.json") \
+            if cfg.ipc.ipc_dir else None
         return cls(engine=engine, tokenizer=tokenizer, served_model_names=[cfg.served_model_name],
                    max_model_len=cfg.max_model_len, vocab_size=cfg.model_info.vocab_size,
                    admission=AdmissionController(cfg.scheduling.max_queued_requests,
@@ -69,7 +73,8 @@ class IngressContext:
                    reasoning_parser=cfg.server.reasoning_parser,
                    hidden_size=cfg.model_info.hidden_size, is_encoder=cfg.model_info.is_encoder,
                    loras=build_registry(cfg.lora, cfg.model_info.model_dir,
-                                        cfg.served_model_name))
+                                        cfg.served_model_name, state_file),
+                   lora_state_file=state_file if cfg.lora.enable_lora else None)
 
     @property
     def model_name(self) -> str:

@@ -4,10 +4,14 @@ adapter; POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lo
 runs with --enable-lora); /v1/models lists each adapter with its base model as `parent`.
 
 Unloading stops new requests from naming the adapter; the ones that run keep it and finish.
+The adapters served are kept in a 0600 file of the group's ipc folder, so that a restarted
+ingress serves the ones loaded at run time too.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,6 +25,7 @@ from pagedserve.pipeline.lora_config import LoRAArgs, parse_lora_module
 from pagedserve.pipeline.lora_files import BaseShapes, LoRAFileError
 from pagedserve.pipeline.lora_registry import LoRARegistry
 from pagedserve.pipeline.lora_request import LoRARequest
+from pagedserve.private_files import read_private, write_private
 
 log = logging.getLogger("pagedserve.ingress")
 
@@ -53,9 +58,12 @@ _ERRORS = {
 }
 
 
-def build_registry(args: LoRAArgs, model_dir: str, base_model_name: str) -> LoRARegistry | None:
-    """The served adapters at start (--lora-modules); None with LoRA off. An adapter that does
-    not fit stops the start with the cause."""
+def build_registry(args: LoRAArgs, model_dir: str, base_model_name: str,
+                   state_file: str | None = None) -> LoRARegistry | None:
+    """The served adapters at start: --lora-modules (one that does not fit stops the start
+    with the cause), then those loaded at run time by an earlier incarnation of this ingress
+    (`state_file`, in the group's private ipc folder; one that no longer fits is dropped with
+    a warning). None with LoRA off."""
     if not args.enable_lora:
         return None
     registry = LoRARegistry(BaseShapes.from_model_dir(model_dir), base_model_name,
@@ -66,7 +74,40 @@ def build_registry(args: LoRAArgs, model_dir: str, base_model_name: str) -> LoRA
             registry.add(name, path)
         except LoRAFileError as exc:
             raise ValueError(f"--lora-modules {name}: {exc}") from None
+    for name, path in _saved(state_file).items():
+        if name not in registry.adapters:
+            try:
+                registry.add(name, path)
+            except LoRAFileError as exc:
+                log.warning("LoRA adapter %r loaded before a restart is not served again: %s",
+                            name, exc)
     return registry
+
+
+def _saved(state_file: str | None) -> dict[str, str]:
+    if state_file is None or not os.path.exists(state_file):
+        return {}
+    try:
+        saved = json.loads(read_private(state_file, "the LoRA adapter list"))
+    except (OSError, ValueError) as exc:
+        log.warning("LoRA adapters loaded before a restart are lost: %s", exc)
+        return {}
+    return {str(k): str(v) for k, v in saved.items()} if isinstance(saved, dict) else {}
+
+
+def _save(ctx) -> None:
+    """Every adapter served now, for a restarted ingress (0600 in the private ipc folder)."""
+    if ctx.lora_state_file is None:
+        return
+    temporary = f"{ctx.lora_state_file}.{os.getpid()}.tmp"
+    try:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        write_private(temporary, json.dumps(
+            {name: lora.lora_path for name, lora in ctx.loras.adapters.items()}))
+        os.replace(temporary, ctx.lora_state_file)
+    except OSError as exc:   # served all the same; only a restart would forget it
+        log.warning("the LoRA adapter list was not saved for a restart: %s", exc)
 
 
 def resolve_model(ctx, requested: str | None) -> LoRARequest | None:
@@ -100,6 +141,7 @@ def add_lora_routes(v1: APIRouter, ctx, errors: dict) -> None:
             lora = _registry(ctx).add(name, path)
         except LoRAFileError as exc:
             raise invalid(f"LoRA adapter {name!r} not loaded: {exc}", "lora_path") from None
+        _save(ctx)
         return {"lora_name": lora.lora_name, "status": "loaded",
                 "message": f"Success: LoRA adapter '{lora.lora_name}' added successfully."}
 
@@ -114,6 +156,7 @@ def add_lora_routes(v1: APIRouter, ctx, errors: dict) -> None:
         except KeyError as exc:
             raise APIError(404, exc.args[0], param="lora_name",
                            code="lora_adapter_not_found") from None
+        _save(ctx)
         return {"lora_name": name, "status": "unloaded",
                 "message": f"Success: LoRA adapter '{name}' removed successfully."}
 

@@ -1,7 +1,8 @@
 """LoRA over HTTP on a launched group (tiny random Llama, random PEFT adapters): adapters listed
 in /v1/models under their base, selected by `model`; loaded, used, unloaded and loaded again
 while 32 streams run, none lost and each adapter's stream the same tokens before and after
-its reload; the endpoints behind the API key, bad input refused naming the cause."""
+its reload; served again by a restarted ingress; the endpoints behind the API key, bad input
+refused naming the cause."""
 from __future__ import annotations
 
 import asyncio
@@ -128,3 +129,20 @@ def test_load_use_unload_reload_while_32_streams_run(served):
         assert by_model["hot", 0] != by_model["base", 0] != by_model["first", 0]
 
     asyncio.run(run())
+
+
+def test_a_restarted_ingress_serves_the_adapters_loaded_at_run_time(served):
+    group, hot, _ = served
+    url = f"http://127.0.0.1:{group.port}"
+    body = {"model": "hot", "prompt": "prompt 1", "max_tokens": 8, "temperature": 0}
+    if "hot" not in {m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]}:
+        assert httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH, json={
+            "lora_name": "hot", "lora_path": str(hot)}).status_code == 200
+    before = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body).json()
+    group.kill("ingress")
+    group.wait_http(120)
+    models = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]
+    assert {(m["id"], m["parent"]) for m in models} == {("base", None), ("first", "base"),
+                                                       ("hot", "base")}
+    after = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body).json()
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
