@@ -55,9 +55,15 @@ class LoRAManager:
         self.slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
 
     def register(self, lora: LoRARequest) -> None:
-        """A sequence of this adapter arrived: load it into host memory unless it is there."""
-        self.requests[lora.lora_int_id] = lora
-        self._host(lora.lora_int_id)
+        """A sequence of this adapter arrived: load it into host memory unless it is there
+        (an id seen before with another path is that path's adapter from now on)."""
+        lora_id = lora.lora_int_id
+        known = self.requests.get(lora_id)
+        if known is not None and known.lora_path != lora.lora_path:
+            self.host.pop(lora_id, None)
+            self.slots = [None if held == lora_id else held for held in self.slots]
+        self.requests[lora_id] = lora
+        self._host(lora_id)
 
     def _host(self, lora_id: int) -> LoadedAdapter:
         adapter = self.host.get(lora_id)
@@ -136,11 +142,6 @@ class LoRAManager:
             for stack in stacks:
                 stack.write(slot, weights)
         self.slots[slot] = lora_id
-
-    def forget(self, lora_id: int) -> None:
-        """Drop an adapter no sequence uses any more (its slot stays until reused)."""
-        self.requests.pop(lora_id, None)
-        self.host.pop(lora_id, None)
 
 
 def _ramps(counts: np.ndarray) -> np.ndarray:

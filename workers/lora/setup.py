@@ -1,4 +1,5 @@
-"""What a rank needs to serve LoRA adapters, from --enable-lora's settings (pipeline/lora_config)."""
+"""What a rank needs to serve LoRA adapters, from --enable-lora's settings
+(pipeline/lora_config.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
