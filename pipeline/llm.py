@@ -78,10 +78,7 @@ class LLM:
             if len(loras) != count:
                 raise ValueError(f"got {len(loras)} lora_requests for {count} prompts")
         for lora in {lora for lora in loras if lora is not None}:
-            if self._loras is None:
-                raise ValueError(f"lora_request {lora.lora_name!r} given, but LoRA is disabled "
-                                 f"(LLM(..., enable_lora=True))")
-            self._loras.check(lora)
+            _check_lora(self._loras, lora)
         return loras
 
     def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -198,6 +195,14 @@ class _InProcessEngine:
                 raise RequestError(msg.status, msg.message, msg.request_id)
 
 
+def _check_lora(checks: LoRARegistry | None, lora: LoRARequest) -> None:
+    """A caller's adapter fits the model (LoRAFileError naming why), LoRA being on."""
+    if checks is None:
+        raise ValueError(f"lora_request {lora.lora_name!r} given, but LoRA is disabled "
+                         f"(enable_lora=True)")
+    checks.check(lora)
+
+
 def _lora_checks(config: EngineConfig) -> LoRARegistry | None:
     """What LLM.generate checks a lora_request against (None: LoRA is off)."""
     if not config.lora.enable_lora:
@@ -215,6 +220,7 @@ class AsyncLLM:
         self._group = group
         self._client = client
         self.tokenizer = group.tokenizer
+        self._loras = _lora_checks(group.config)
 
     @classmethod
     async def create(cls, model: str = "Qwen2.5-Coder-0.5B-Instruct", **engine_kwargs: Any) -> "AsyncLLM":
@@ -244,6 +250,8 @@ class AsyncLLM:
                                   prompt if isinstance(prompt, str) else None, ids, params)
         if "lora_request" in kwargs:   # vLLM's name
             kwargs["lora"] = kwargs.pop("lora_request")
+        if kwargs.get("lora") is not None:
+            _check_lora(self._loras, kwargs["lora"])
         async for delta in self._client.generate(ids, params, request_id=out.request_id, **kwargs):
             out.apply(delta)
             yield out
