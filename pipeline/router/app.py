@@ -195,9 +195,9 @@ def _lora_forwarder(service: RouterService, keys: ApiKeys, path: str, loading: b
         status, content = await broadcast(service.http, service.core.of_model(base), path, body)
         if status == 200 and isinstance(name, str):
             if loading:
-                service.adapters.base_of[name] = base
+                service.adapters.add(name, base, body)
             else:
-                service.adapters.base_of.pop(name, None)
+                service.adapters.remove(name)
         return Response(content, status_code=status, media_type="application/json")
     return forward
 

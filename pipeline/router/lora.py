@@ -5,18 +5,21 @@ load bound as any request does); /v1/load_lora_adapter and /v1/unload_lora_adapt
 replica of the model; /v1/models lists the adapters with their `parent`.
 
 The router knows an adapter from the engines' --lora-modules (its engine arguments) and from
-the loads that pass through it. A replica the router restarts has its --lora-modules again, but
-not the adapters loaded at run time (load them again).
+the loads that pass through it; a replica the router (re)starts gets the latter loaded again
+before it takes requests.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from typing import Any
 
 import httpx
 
 from pagedserve.pipeline.lora_config import parse_lora_module
+
+log = logging.getLogger("pagedserve.router")
 
 
 def adapter_key(name: str) -> bytes:
@@ -29,6 +32,26 @@ class RouterAdapters:
 
     def __init__(self) -> None:
         self.base_of: dict[str, str] = {}
+        self.loaded: dict[str, dict[str, Any]] = {}   # loaded through the router: its body
+
+    def add(self, name: str, base: str, body: dict[str, Any]) -> None:
+        self.base_of[name] = base
+        self.loaded[name] = body
+
+    def remove(self, name: str) -> None:
+        self.base_of.pop(name, None)
+        self.loaded.pop(name, None)
+
+    async def replay(self, http: httpx.AsyncClient, replica) -> None:
+        """Load into a replica that (re)started the adapters loaded through the router for
+        its model (the pool calls this before the replica takes requests)."""
+        for name, body in sorted(self.loaded.items()):
+            if self.base_of.get(name) != replica.model:
+                continue
+            status, _ = await broadcast(http, [replica], "/v1/load_lora_adapter", body)
+            if status != 200:
+                log.warning("LoRA adapter %r not loaded again into %s (status %d)", name,
+                            replica.replica_id, status)
 
     @classmethod
     def from_specs(cls, specs) -> "RouterAdapters":

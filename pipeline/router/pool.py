@@ -7,7 +7,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -42,6 +42,8 @@ class ReplicaPool:
         self._failures: dict[str, int] = {}
         self._restarting: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        # awaited with a replica that is ready, before it takes requests (LoRA: lora.py)
+        self.on_ready: list[Callable[[Replica], Awaitable[None]]] = []
 
     # -- local groups ------------------------------------------------------------------------
     async def start_model(self, spec: GroupSpec) -> None:
@@ -66,6 +68,8 @@ class ReplicaPool:
         replica.upstream_model = info.get("id", group.spec.model)
         replica.capabilities = listed_capabilities(info)
         self._failures[group.name] = 0
+        for hook in self.on_ready:
+            await hook(replica)
         self.core.set_healthy(group.name, True)
         log.info("engine group %s ready at %s (%.1f s after its start)", group.name, group.url,
                  time.monotonic() - group.started_at)

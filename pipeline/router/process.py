@@ -64,6 +64,7 @@ def build(cfg: RouterConfig):
     service = RouterService(core, pool, models, limiter, metrics, http, settings,
                             priority_floors={k: v.priority_floor for k, v in cfg.api_keys.items()})
     service.adapters = RouterAdapters.from_specs(cfg.models.values())
+    pool.on_ready.append(lambda replica: service.adapters.replay(http, replica))
 
     @asynccontextmanager
     async def lifespan(_app):

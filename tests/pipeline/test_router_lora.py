@@ -65,3 +65,31 @@ def test_adapters_of_the_engines_lora_modules_are_known_from_the_start():
     adapters = RouterAdapters.from_specs(specs)
     assert adapters.base_of == {"a": "m", "b": "m"}
     assert adapters.base("a") == "m" and adapters.base("n") is None and adapters.base(3) is None
+
+
+def test_a_restarted_replica_gets_the_adapters_loaded_through_the_router_before_requests():
+    seen = []
+
+    class RestartedGroup:   # what ReplicaPool._until_ready reads of a LocalGroup
+        name, url, headers, started_at = "m/1", "http://m-1", {}, 0.0
+        spec = GroupSpec("m", "/models/m")
+
+        async def wait_ready(self, http, timeout):
+            return {"id": "m", "max_model_len": 100}
+
+    def handler(request):
+        seen.append((request.url.host, json.loads(request.content),
+                     service.core.replicas["m/1"].healthy))
+        return httpx.Response(200, json={"status": "ok"})
+
+    async def run():
+        service.adapters.add("sql", "m", {"lora_name": "sql", "lora_path": "/adapters/sql"})
+        service.adapters.base_of["other"] = "n"     # another model's: not replayed here
+        service.pool.on_ready.append(lambda r: service.adapters.replay(service.http, r))
+        service.core.set_healthy("m/1", False)       # died; the pool restarted it
+        await service.pool._until_ready(RestartedGroup())
+
+    service, _, _ = make_service(handler)
+    asyncio.run(run())
+    assert seen == [("m-1", {"lora_name": "sql", "lora_path": "/adapters/sql"}, False)]
+    assert service.core.replicas["m/1"].healthy
