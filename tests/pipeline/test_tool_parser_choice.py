@@ -11,6 +11,7 @@ import pytest
 from pagedserve.pipeline.ingress import build_app
 from pagedserve.pipeline.ingress.context import IngressContext
 from pagedserve.pipeline.ingress.testing import CHATML_TEMPLATE, make_test_context
+from pagedserve.pipeline.lora_config import LoRAArgs
 from pagedserve.pipeline.ingress.tool_parsers import parser_for_template
 from pagedserve.pipeline.ingress.tools import resolve_tool_parser
 
@@ -46,11 +47,12 @@ def test_ingress_context_from_config_chooses_the_parser():
     tokenizer = SimpleNamespace(chat_template=HERMES)
     cfg = SimpleNamespace(
         served_model_name="m", max_model_len=64, model_info=SimpleNamespace(
-            vocab_size=300, hidden_size=16, is_encoder=False),
+            vocab_size=300, hidden_size=16, is_encoder=False, model_dir="m"),
         scheduling=SimpleNamespace(max_queued_requests=8, max_num_seqs=4),
         model=SimpleNamespace(model="m"),
         server=SimpleNamespace(api_key=None, max_request_bytes=1 << 16, tool_call_parser=None,
-                               reasoning_parser=None))
+                               reasoning_parser=None),
+        lora=LoRAArgs(), ipc=SimpleNamespace(ipc_dir=""))
     assert IngressContext.from_config(cfg, engine=None, tokenizer=tokenizer).tool_call_parser \
         == "hermes"
     cfg.server.tool_call_parser = "llama3_json"
