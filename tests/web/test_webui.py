@@ -27,7 +27,14 @@ ABORTED = ("vllm:request_success_total", {"finished_reason": "abort"})
 def tiny_dir(tmp_path_factory):
     """A random 2-layer Llama with a byte tokenizer: any text is valid, steps take ~ms."""
     path = make_tiny_llama(tmp_path_factory.mktemp("webui-tiny"), seed=5, vocab_size=259)
-    make_tiny_tokenizer().save_pretrained(path)
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.save_pretrained(path)
+    # the model ends on the tokenizer's special end token, as a real chat model does (not on
+    # byte 2, whose text a grammar's end would leave in a JSON answer)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        config["eos_token_id"] = tokenizer.eos_token_id
+        (path / name).write_text(json.dumps(config))
     return path
 
 
