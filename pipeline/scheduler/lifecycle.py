@@ -19,7 +19,6 @@ from pagedserve.pipeline.scheduler.quarantine import Quarantine
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
 from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, Request, RequestState,
                                                     Sequence, SequenceStatus)
-from pagedserve.pipeline.scheduler.slots import sync_kv
 from pagedserve.pipeline.scheduler.speculative import NgramProposer
 from pagedserve.pipeline.scheduler.step_outputs import SequenceOutput
 
@@ -104,7 +103,7 @@ class RequestLifecycle:
         and sample from the same logits."""
         req = parent.request
         req.forked = True
-        sync_kv(parent, self.kv)
+        parent.sync_kv(self.kv)
         parent.share_tail()
         children = []
         for index in range(1, req.sampling.n):
@@ -120,7 +119,7 @@ class RequestLifecycle:
     def preempt(self, seq: Sequence, b: PlanBuilder) -> None:
         """Push a running sequence out: to the host pool or back to the waiting queue."""
         kv = self.kv
-        sync_kv(seq, kv)
+        seq.sync_kv(kv)
         if self.config.sliding_window:  # only the blocks its next step reads are worth swapping
             kv.slide_window(seq.seq_id, seq.num_computed_tokens)
         # full blocks by computed tokens: a reserved slot past them (drafts) is written later

@@ -14,6 +14,7 @@ all answer WorkerReady(token); only then does it plan again.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -48,7 +49,6 @@ def worker_identity(rank: int) -> bytes:
 class SchedulerProcess:
     def __init__(self, cfg: EngineConfig, faults: FaultInjector, incarnation: int = 0):
         self.cfg = cfg
-        self.max_model_len = cfg.max_model_len
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.step_timeout = cfg.scheduling.step_timeout
         self.grammars_warmed = False  # see _warm_grammars_when_idle
@@ -84,8 +84,9 @@ class SchedulerProcess:
         # One table for all three sockets: the service's messages plus the worker group's; the
         # second argument is the sender's identity on the ROUTERs (clients, worker ranks) and
         # None on the PULL (detokenizer, launcher). Built with the service, once workers are up.
-        self.dispatcher = transport.Dispatcher("scheduler", self._group_handlers(), log=log,
-                                               report=self._count_own_unknown)
+        self.dispatcher = transport.Dispatcher(
+            "scheduler", self._group_handlers(), log=log,
+            report=lambda tag, _reason: self._count_unknown("scheduler", tag))
         self._early_unknown: list[tuple[str, str]] = []  # before the service exists
 
     @property
@@ -104,12 +105,9 @@ class SchedulerProcess:
     def _send_resets(self) -> None:
         reset = transport.encode(messages.Reset(self.token))
         for rank in range(self.tp_size):
-            if rank in self.ready_ranks:
-                continue
-            try:
-                self.workers.send_multipart([worker_identity(rank), *reset], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # not connected (yet): retried
+            if rank not in self.ready_ranks:
+                with contextlib.suppress(zmq.ZMQError):  # not connected (yet): retried
+                    self.workers.send_multipart([worker_identity(rank), *reset], flags=zmq.NOBLOCK)
         self.last_reset_sent = time.monotonic()
 
     def lose_workers(self, why: str, attributable: bool = False) -> None:
@@ -150,7 +148,7 @@ class SchedulerProcess:
             if self.stop_requested:
                 raise SystemExit(0)
             if self.workers.poll(int(RESET_RETRY_S * 1000)):
-                self._drain_workers()
+                self._drain(self.workers, routed=True)
             if time.monotonic() - self.last_reset_sent > RESET_RETRY_S:
                 self._send_resets()
         ready = self.ready_ranks.values()
@@ -159,9 +157,10 @@ class SchedulerProcess:
     def build(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         from pagedserve.kvmanager import SharedBlockTables
         sconf = SchedulerConfig.from_engine(self.cfg)
-        max_blocks = -(-self.max_model_len // sconf.block_size)
+        max_blocks = -(-self.cfg.max_model_len // sconf.block_size)
         segment = self.cfg.ipc.block_tables_segment
-        _unlink_stale_segment(segment)  # a killed predecessor could not unlink its own
+        with contextlib.suppress(FileNotFoundError):  # a killed predecessor could not unlink it
+            os.unlink(os.path.join("/dev/shm", segment))
         # A row per sequence holding blocks: running ones plus swapped ones (>= 1 host block each).
         # Workers on other hosts cannot map this host's shared memory: plans carry the tables.
         self.block_tables = None if self.cfg.cluster.nnodes > 1 else SharedBlockTables(
@@ -189,7 +188,7 @@ class SchedulerProcess:
                              on_planned=lambda plan: self.faults.on_message(step=plan.step_id))
         self.dispatcher.handlers = {**self.service.handlers(), **self._group_handlers()}
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
-                 num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.max_model_len)
+                 num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.cfg.max_model_len)
 
     def _attach_tiers(self, scheduler: Scheduler) -> None:
         """The KV tiers below the device pool, as the workers built them (kvmanager/tiers.py)."""
@@ -237,12 +236,9 @@ class SchedulerProcess:
             events = dict(poller.poll(timeout))
             if wakeup.fileno() in events:
                 wakeup.drain()
-            if self.workers in events:
-                self._drain_workers()
-            if self.frontend in events:
-                self._drain_frontend()
-            if self.events in events:
-                self._drain_events()
+            for sock in (self.workers, self.frontend, self.events):
+                if sock in events:
+                    self._drain(sock, routed=sock is not self.events)
             service.admit_compiled()  # requests whose grammar is ready join the queue
             now = time.monotonic()
             if not self.workers_ready and now - self.last_reset_sent > RESET_RETRY_S:
@@ -327,20 +323,11 @@ class SchedulerProcess:
                 return
             self.dispatcher.receive(frames, routed=routed, with_sender=True)
 
-    def _drain_workers(self) -> None:
-        self._drain(self.workers, routed=True)
-
-    def _drain_frontend(self) -> None:
-        self._drain(self.frontend, routed=True)
-
-    def _drain_events(self) -> None:
-        self._drain(self.events, routed=False)
-
-    def _count_own_unknown(self, tag: str, _reason: str) -> None:
+    def _count_unknown(self, role: str, tag: str) -> None:
         if self.service is None:
-            self._early_unknown.append(("scheduler", tag))
+            self._early_unknown.append((role, tag))
         else:
-            self.service.count_unknown("scheduler", tag)
+            self.service.count_unknown(role, tag)
 
     # -- the worker group's messages (the rest are SchedulerService.handlers) -----------------
     def _group_handlers(self) -> dict:
@@ -348,7 +335,8 @@ class SchedulerProcess:
                 messages.WorkerReady: self._on_worker_ready,
                 messages.WorkerFailed: self._on_worker_failed,
                 messages.RoleDown: self._on_role_down,
-                messages.UnknownMessage: self._on_unknown_message}
+                messages.UnknownMessage:
+                    lambda msg, _peer: self._count_unknown(msg.role, msg.tag)}
 
     def _on_step_result(self, msg: messages.StepResult, _peer) -> None:
         if self.loop is None:
@@ -381,23 +369,13 @@ class SchedulerProcess:
             if msg.role == "detokenizer" and msg.suspect:
                 self.service.quarantine(msg.suspect, msg.cause)
 
-    def _on_unknown_message(self, msg: messages.UnknownMessage, _peer) -> None:
-        if self.service is None:
-            self._early_unknown.append((msg.role, msg.tag))
-        else:
-            self.service.count_unknown(msg.role, msg.tag)
-
     def shutdown(self) -> None:
         stop = transport.encode(messages.Shutdown("scheduler stopped"))
         for rank in range(self.tp_size):
-            try:
+            with contextlib.suppress(zmq.ZMQError):  # that rank is already gone
                 self.workers.send_multipart([worker_identity(rank), *stop], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # that rank is already gone
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             transport.send(self.detok, messages.Shutdown("scheduler stopped"), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         time.sleep(0.05)  # let the shutdown frames leave before the sockets close
         for sock in (self.frontend, self.workers, self.events, self.detok, self.control):
             sock.close(linger=200)
@@ -405,12 +383,6 @@ class SchedulerProcess:
         self.ctx.term()
         if self.block_tables is not None:
             self.block_tables.close()
-
-
-def _unlink_stale_segment(name: str) -> None:
-    path = os.path.join("/dev/shm", name)
-    if os.path.exists(path):
-        os.unlink(path)
 
 
 def main() -> int:
@@ -429,11 +401,9 @@ def main() -> int:
         code = int(exc.code or 0)
     except Exception as exc:  # a fatal error: tell the launcher, then exit non-zero
         log.exception("fatal: %s", exc)
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             transport.send(proc.control, messages.ProcessFatal("scheduler", 0, os.getpid(),
                                                                f"{type(exc).__name__}: {exc}"))
-        except zmq.ZMQError:
-            pass
     finally:
         proc.shutdown()
     return code

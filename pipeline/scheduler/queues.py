@@ -109,3 +109,14 @@ class SequenceQueues:
         heapq.heapify(self.swapped)
         heapq.heapify(self.waiting)
         self.num_swapped, self.num_waiting = len(swapped), len(waiting)
+
+    def lora_stats(self, max_loras: int) -> dict:
+        """vLLM's lora_requests_info: the adapters of running and of waiting (or swapped)
+        sequences, by name, and the limit (for /metrics: one stats call a second at most)."""
+        running = {seq.request.lora.lora_name for group in (self.running, self.prefilling)
+                   for seq in group if seq.status is RUNNING and seq.request.lora is not None}
+        waiting = {seq.request.lora.lora_name for heap, status in ((self.waiting, WAITING),
+                                                                    (self.swapped, SWAPPED))
+                   for _, seq in heap if seq.status is status and seq.request.lora is not None}
+        return {"lora_running": sorted(running), "lora_waiting": sorted(waiting),
+                "max_lora": max_loras}

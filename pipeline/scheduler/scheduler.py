@@ -1,8 +1,7 @@
 """The scheduler: which sequences compute how many tokens each step. No I/O, no clock.
 
-One cycle is ``plan = schedule(now)`` -> workers execute it -> ``update(plan, result, now)``;
-with overlap, ``schedule_ahead()`` plans the step of steady decodes behind the one in flight
-(lookahead.py). The Scheduler composes the owners of its state and drives them:
+One cycle is ``plan = schedule(now)`` -> workers execute it -> ``update(plan, result, now)``.
+The Scheduler composes the owners of its state and drives them:
   - `SequenceQueues` (queues.py): where each live sequence waits or runs, and the counts;
   - `RequestLifecycle` (lifecycle.py): the requests and their sequences, from `add` to finish;
   - `StepRule` (step_rule.py): the one rule that decides what each sequence computes;
@@ -10,6 +9,14 @@ with overlap, ``schedule_ahead()`` plans the step of steady decodes behind the o
 It holds the step in flight and the one planned ahead, applies results (`update`: results.py
 reads them back into the sequences, the lifecycle applies the stop rules) and recovers from a
 lost device pool (`reset_device_state`).
+
+Overlapped scheduling (docs/ARCHITECTURE.md): `schedule_ahead()` plans, while the workers
+compute a step of lanes only, the same lanes one token on, their inputs left to the tokens the
+workers sample (-1). A lane whose token ahead opens a block takes a free one (never by
+preempting). A block freed meanwhile may be one of them: the workers run steps in order and an
+owner reads no slot it has not written. Table rows are not reused while a step is in flight
+(`hold_rows`), and no sliding window releases a block ahead. A lane that finishes on the token
+it is sampling computes one token nobody reads, and its row is dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +25,6 @@ from operator import attrgetter
 from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult, TierOps
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
-from pagedserve.pipeline.scheduler.lookahead import build_ahead, lanes_ahead, promote
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
 from pagedserve.pipeline.scheduler.policy import make_policy
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
@@ -63,7 +69,7 @@ class Scheduler:
         self.generation_tokens = self.iteration_tokens = 0
         self._next_step_id = 0
         self._inflight: PlanBuilder | None = None
-        self._ahead: PlanBuilder | None = None  # planned while _inflight runs (lookahead.py)
+        self._ahead: PlanBuilder | None = None  # planned while _inflight runs
         self.num_steps_ahead = 0  # steps planned that way, cumulative
         spec = config.speculative
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
@@ -144,17 +150,13 @@ class Scheduler:
         pool and queue the sequences that lived there for recompute.
 
         The host swap pool lives in shared memory and survives the workers: sequences swapped
-        out by completed steps stay swapped and come back by swap-in. Sequences swapped out by
-        the step that was lost (its copies may never have happened) are recomputed, as is every
-        sequence that was on the device. A recomputed sequence keeps its prompt and generated
-        tokens, is sent to the workers in full again, and samples only once it has caught up:
-        streams resume where they stopped.
+        out by completed steps stay swapped. Those swapped out by the lost step (its copies may
+        never have happened) are recomputed, as is every sequence that was on the device; a
+        recomputed sequence keeps its tokens and samples only once it has caught up.
 
         `attributable`: the loss may have been caused by what the step computed (the worker
-        raised or crashed, rather than being killed from outside). Then every request of the
-        lost step becomes a suspect, and one that was already in the previous such step
-        without sampling in between (quarantine.MAX_CRASHES) is failed alone, with a message naming
-        `cause`, so that the others can complete.
+        raised or crashed, not killed from outside): the lost step's requests become suspects,
+        and one at MAX_CRASHES (quarantine.py) is failed alone, so that the others complete.
         """
         kv, lost, life = self.kv, self._inflight, self.life
         unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
@@ -188,21 +190,29 @@ class Scheduler:
             raise RuntimeError(f"schedule() called again before update() for step "
                                f"{self._inflight.step_id}")
         self.kv.hold_rows(False)  # the last plan's step is over: rows freed since are reusable
-        b = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens)
-        self._next_step_id += 1
-        tiers = self.kv.tiers
-        if tiers is not None:
-            tiers.begin_step()  # stores picked before the plan's allocations may evict them
+        b = self._new_step(self.config.max_num_batched_tokens)
         self.rule.plan(b)
         self.iteration_tokens = self.config.max_num_batched_tokens - b.budget
         self._inflight = b
         self.kv.hold_rows(True)   # workers read this plan's rows until its result is back
-        plan = b.build(self.life.take_finished_seq_ids(), self._shared_tables)
-        if tiers is not None:
-            plan.tiers = _tier_ops(tiers)
+        plan = self._build(b)
         book = self.life.grammar_book
         if book is not None and book.grammars:
             plan.grammar = book.masks(self.life.requests, b.step_id, RUNNING)
+        return plan
+
+    def _new_step(self, budget: int) -> PlanBuilder:
+        b = PlanBuilder(self._next_step_id, budget)
+        self._next_step_id += 1
+        if self.kv.tiers is not None:
+            self.kv.tiers.begin_step()  # stores picked before the plan's allocations may evict them
+        return b
+
+    def _build(self, b: PlanBuilder) -> StepPlan:
+        plan = b.build(self.life.take_finished_seq_ids(), self._shared_tables)
+        ops = None if self.kv.tiers is None else self.kv.tiers.take_ops()
+        if ops is not None:
+            plan.tiers = TierOps(*ops)
         return plan
 
     @property
@@ -212,35 +222,45 @@ class Scheduler:
 
     @property
     def step_ahead(self) -> StepPlan | None:
-        """The plan sent behind the step in flight (lookahead.py), if any."""
+        """The plan sent behind the step in flight, if any."""
         return None if self._ahead is None else self._ahead.plan
 
     def schedule_ahead(self) -> StepPlan | None:
         """The next step planned before the result of the one in flight is back, when it can
-        only be the same decodes one token on (lookahead.py); None otherwise. Nothing is
-        planned ahead of a queued, swapped out or constrained sequence."""
+        only be the same lanes one token on; None otherwise. Nothing is planned ahead of a
+        queued, swapped out, prefilling, forked or constrained sequence."""
         b, q, book = self._inflight, self.queues, self.life.grammar_book
         if (b is None or self._ahead is not None or not self.config.decode_lanes
-                or q.num_waiting or q.num_swapped or (book is not None and book.grammars)):
+                or q.num_waiting or q.num_swapped or (book is not None and book.grammars)
+                or b.seqs or b.fork_children or b.swap_out or b.swap_in or b.copy):
             return None
-        found = lanes_ahead(b, q.running, q.num_running, self.kv, block_size=self.block_size,
-                            sliding_window=self.sliding_window,
-                            max_tokens=self.config.max_num_batched_tokens)
-        if found is None:
+        lanes = [seq for seq in q.running if seq.status is RUNNING]
+        if not lanes or len(lanes) != q.num_running:
+            return None  # a live sequence outside the running list (prefilling): plan it
+        opening = []  # the lanes whose token ahead opens a block
+        for index, seq in enumerate(lanes):
+            # in the step in flight as a lane, and a lane again with the token it is sampling
+            if seq.last_step != b.step_id:
+                return None
+            if len(seq.token_ids) + 1 > seq.lane_cap:
+                if self.sliding_window or not _opens_a_block(seq, self.block_size):
+                    return None
+                opening.append(index)
+        budget = self.config.max_num_batched_tokens
+        if budget < len(lanes) or len(opening) > self.kv.num_free_blocks:
             return None
-        lanes, opening = found
-        a = PlanBuilder(self._next_step_id, self.config.max_num_batched_tokens - len(lanes))
-        self._next_step_id += 1
-        tiers = self.kv.tiers
-        if tiers is not None:
-            tiers.begin_step()
-        build_ahead(a, lanes, opening, self.kv)
+        a = self._new_step(budget - len(lanes))
+        a.lanes, a.lane_ids, a.lane_tokens = lanes, [seq.seq_id for seq in lanes], [-1] * len(lanes)
+        for index in opening:
+            seq = lanes[index]
+            blocks = seq.reserve_lane(self.kv, len(seq.token_ids) + 1)
+            if not blocks:  # counted free, not shared: the slot bookkeeping is wrong
+                raise RuntimeError(f"seq {seq.seq_id}: no block for its token ahead ({blocks})")
+            a.lane_blocks.extend((index, block) for block in blocks)
         self._ahead = a
         self.num_steps_ahead += 1
-        plan = a.build(self.life.take_finished_seq_ids(), self._shared_tables)
+        plan = self._build(a)
         plan.ahead = True
-        if tiers is not None:
-            plan.tiers = _tier_ops(tiers)
         return plan
 
     # ------------------------------------------------------------------ results
@@ -268,7 +288,7 @@ class Scheduler:
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
             # go back to the pool in the same order either way.
-            pending.sort(key=_seq_id_of_sampled)
+            pending.sort(key=lambda sampled: sampled[0].seq_id)
             outputs.others.extend(life.finish_sampled(seq, row, result, None)
                                   for seq, _token, row in pending)
         self.generation_tokens += len(outputs.seqs) + sum(len(o.new_token_ids)
@@ -281,10 +301,23 @@ class Scheduler:
         self.queues.running.extend(c for c in b.fork_children if c.status is RUNNING)
         if self._ahead is not None:  # the step planned ahead is in flight from now on
             self._inflight, self._ahead = self._ahead, None
-            self.iteration_tokens = promote(self._inflight, self.rule.lane_cap,
-                                            block_size=self.block_size,
-                                            caching=self.config.enable_prefix_caching)
+            self._promote(self._inflight)
         return outputs
+
+    def _promote(self, a: PlanBuilder) -> None:
+        """Count the step ahead `a`, now in flight, as `schedule()` would have planned it."""
+        opened = {index for index, _ in a.lane_blocks}
+        for index, seq in enumerate(a.lanes):
+            if seq.status is not RUNNING:
+                a.num_finished += 1  # finished on the token it sampled: its row is dropped
+                continue
+            n = len(seq.token_ids)
+            seq.plan_lane(a.step_id, n)
+            if index in opened:
+                seq.lanes_until(self.rule.lane_cap(seq))
+            if self.config.enable_prefix_caching and not n % self.block_size:
+                a.lane_fills.append(seq)
+        self.iteration_tokens = len(a.lanes)
 
     def _count_verified(self, verified: list[tuple[int, int]]) -> None:
         per_pos = self.spec_accepted_per_pos
@@ -296,11 +329,6 @@ class Scheduler:
                 per_pos[pos] += 1
 
 
-def _tier_ops(tiers) -> TierOps | None:
-    ops = tiers.take_ops()
-    return None if ops is None else TierOps(*ops)
-
-
 def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:
     """A sequence of `req` sampled in step `b` (it caught up: not still recomputing)."""
     return any(seq.last_step == b.step_id and (len(seq.token_ids) == seq.num_computed_tokens + 1
@@ -308,5 +336,10 @@ def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:
                for seq in req.seqs)
 
 
-def _seq_id_of_sampled(item: tuple[Sequence, int, int]) -> int:
-    return item[0].seq_id
+def _opens_a_block(seq: Sequence, block_size: int) -> bool:
+    """Past its lane_cap only because its token ahead is the first of a new block."""
+    n = len(seq.token_ids) + 1
+    return (not seq.shared_tail and not seq.needs_full_send
+            and seq.lane_cap == seq.num_blocks_sent * block_size == n - 1
+            and seq.num_reserved_tokens == n - 1 == seq.num_tokens_sent
+            and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2)

@@ -84,22 +84,14 @@ class RequestState:
         self.num_unfinished = sampling.n  # children count before they exist
         self.forked = sampling.n == 1  # nothing to fork for a single sample
         self.queued = True  # counted against max_queued_requests until first admitted
-        # Steps that crashed the worker group while computing it, since it last sampled (the
-        # scheduler fails a request at two: scheduler.py, reset_device_state).
-        self.crashes = 0
-        # Its sequences draft tokens (n-gram speculation on, and nothing that needs a token's
-        # history or matcher state at sampling: penalties, logprobs, a grammar); the drafts
-        # it proposed and had accepted, for its acceptance rate.
+        self.crashes = 0  # steps that crashed the worker group since it last sampled
+        # Its sequences draft tokens (n-gram speculation on, and no penalties, logprobs or
+        # grammar); the drafts proposed and accepted, for its acceptance rate.
         self.speculates = False
         self.num_drafted = self.num_accepted = 0
-        # Prompt tokens whose logprobs went to the detokenizer (the first has none).
-        self.num_prompt_logprobs = 1
-        # An embedding request: its one sequence computes the prompt and is pooled, never
-        # sampled (max_output_tokens is 0: it never becomes a decode lane).
-        self.pooling = pooling
-        # Its LoRA adapter, sent with each of its NewSeqs (a restarted worker reloads it from
-        # there); its cache_salt already carries it (pipeline/lora_request.py).
-        self.lora = lora
+        self.num_prompt_logprobs = 1  # prompt logprobs passed on (the first token has none)
+        self.pooling = pooling  # an embedding request: pooled, never sampled (max_output_tokens 0)
+        self.lora = lora  # sent with each NewSeq; its cache_salt carries it too
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -129,12 +121,11 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_reserved_tokens", "num_kv_tokens", "shared_tail",
-                 "status", "parent_id",
-                 "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
+                 "status", "num_tokens_sent", "num_blocks_sent", "needs_full_send", "step_tokens",
                  "last_step", "preempted_step", "lane_cap", "drafts", "spec_skip", "embedding")
 
-    def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int],
-                 parent_id: int | None = None) -> None:
+    def __init__(self, seq_id: int, request: RequestState, index: int, token_ids: list[int]
+                 ) -> None:
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -143,12 +134,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_reserved_tokens = 0  # KV slots it holds
         # Slots the KV cache manager has been told about. The difference lies inside the
-        # sequence's own, unshared last block and is reported lazily (before cache_blocks, swap
-        # or fork), which saves a manager call on most decode steps.
+        # sequence's own, unshared last block and is reported lazily (`sync_kv`, before a fork,
+        # swap or preemption), which saves a manager call on most decode steps.
         self.num_kv_tokens = 0
         self.shared_tail = False  # its last block may be shared (just forked): no lazy slots
         self.status = SequenceStatus.WAITING
-        self.parent_id = parent_id
         # What the workers hold, so plans are diffs.
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
@@ -157,38 +147,33 @@ class Sequence:
         self.last_step = -1  # last step that scheduled it
         self.preempted_step = -1  # not re-admitted in the step that pushed it out
         # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
-        # plan.s decode columns (scheduler/plan.py, lane_cap()); -1: take the general path.
+        # plan's decode columns (plan.py, lane_cap()); -1: take the general path.
         self.lane_cap = -1
         self.drafts: list[int] = []  # tokens proposed after its last one in the step in flight
-        # Accepted drafts the workers computed but have not been told of: the next plan's
-        # ScheduledSeq.num_skipped, so they count them as computed.
+        # Accepted drafts the workers computed but have not been told of (the next plan's
+        # ScheduledSeq.num_skipped).
         self.spec_skip = 0
-        # A pooling sequence's vector once its prompt is computed (little-endian float32),
-        # kept with the finished request for a detokenizer re-feed; set by `pooled` only.
-        self.embedding: bytes | None = None
+        self.embedding: bytes | None = None  # a pooling sequence's vector (float32, LE)
 
     # Every change of a sequence's fields is one of the transitions below: the scheduler's
     # modules decide, the sequence records (tests/pipeline/test_sequence_owner.py checks that
     # no other module assigns them). Tokens are appended to `token_ids` by `update` in place.
 
-    # -- its place in the scheduler's queues --------------------------------------------------
+    # -- its place in the scheduler's queues (queues.py) --------------------------------------
     def started(self) -> None:
-        """Admitted, swapped in or forked into the running set."""
         self.status = SequenceStatus.RUNNING
 
     def queued(self) -> None:
-        """Back in the waiting queue: it recomputes what it lost."""
         self.status = SequenceStatus.WAITING
 
     def swapped_out(self) -> None:
-        """Its blocks are in the host pool."""
         self.status = SequenceStatus.SWAPPED
 
     def finished_as(self, status: SequenceStatus) -> None:
         self.status = status
         self.lane_cap = -1
 
-    # -- its KV slots (slots.py) --------------------------------------------------------------
+    # -- its KV slots -------------------------------------------------------------------------
     def admitted(self, num_cached: int, chunk: int) -> None:
         """Given blocks with `num_cached` tokens found in the prefix cache and slots for
         `chunk` more, all reported to the manager."""
@@ -204,17 +189,53 @@ class Sequence:
             self.shared_tail = False
 
     def reported_slots(self, upto: int) -> int:
-        """The manager has been told of its slots up to `upto` (returned)."""
         self.num_kv_tokens = upto
         return upto
+
+    def grow(self, num_new: int, kv, copies: list[tuple[int, int]]) -> bool:
+        """Hold slots up to num_computed + num_new; False (nothing changed) if blocks are short.
+        A shared partial last block is copied first: the (src, dst) pair goes to `copies`."""
+        needed = self.num_computed_tokens + num_new
+        if needed <= self.num_reserved_tokens:
+            return True
+        bs = kv.block_size
+        if not self.shared_tail and needed <= -(-self.num_kv_tokens // bs) * bs:
+            self.hold_slots(needed, reported=False)  # inside its own last block
+            return True
+        cow = kv.append_slots(self.seq_id, needed - self.num_kv_tokens)
+        if cow is None:
+            return False
+        self.hold_slots(needed, reported=True)
+        if cow:
+            copies.extend(cow)
+            self.needs_full_send = True  # a block in its table was replaced
+        return True
+
+    def reserve_lane(self, kv, n: int) -> list[int] | None:
+        """Slots up to `n`, reported; the new blocks, which go with the lane (None: its last
+        block is shared or the pool is short)."""
+        blocks = kv.reserve_slots(self.seq_id, n)
+        if blocks is not None:
+            self.hold_slots(n, reported=True)
+            self.num_blocks_sent += len(blocks)
+        return blocks
+
+    def sync_kv(self, kv) -> None:
+        """Report lazily held slots to the manager (they never need a block or a copy)."""
+        lag = self.num_reserved_tokens - self.num_kv_tokens
+        if lag:
+            cow = kv.append_slots(self.seq_id, lag)
+            if cow is None or cow:
+                raise RuntimeError(f"seq {self.seq_id}: lazily held slots needed a block or a "
+                                   f"copy ({cow}); the slot bookkeeping is wrong")
+            self.num_kv_tokens = self.num_reserved_tokens
 
     def share_tail(self) -> None:
         """Its samples were forked from it: its last block is shared until copied on write."""
         self.shared_tail = True
 
     def table_changed(self) -> None:
-        """Its block ids changed (swapped in, a block copied on write): the next plan sends
-        its state in full."""
+        """Its block ids changed (swapped in): the next plan sends its state in full."""
         self.needs_full_send = True
 
     # -- planning: what the next step computes, and what the workers hold ---------------------
@@ -250,22 +271,18 @@ class Sequence:
         self.num_tokens_sent = num_tokens
 
     def take_spec_skip(self) -> int:
-        """The accepted drafts the next plan tells the workers of (then none)."""
         skip, self.spec_skip = self.spec_skip, 0
         return skip
 
     def propose(self, drafts: list[int]) -> None:
-        """Drafts after its last token, verified in the step being planned."""
         self.drafts = drafts
 
     # -- results: what a step computed (results.py) -------------------------------------------
     def computed(self, num_tokens: int) -> int:
-        """The step computed `num_tokens` more of its tokens; returns the count computed."""
         self.num_computed_tokens += num_tokens
         return self.num_computed_tokens
 
     def take_drafts(self, none: list[int]) -> list[int]:
-        """Its drafts of the step just over (`none` left in their place)."""
         drafts, self.drafts = self.drafts, none
         return drafts
 
@@ -305,7 +322,6 @@ class Sequence:
     def fork_from(self, parent: Sequence, step_id: int) -> None:
         """A sample forked from `parent` on the step that completes its prompt: it shares the
         parent's blocks, and the workers copy the parent's state, so nothing is sent for it."""
-        self.parent_id = parent.seq_id
         self.status = SequenceStatus.RUNNING
         self.num_computed_tokens = parent.num_computed_tokens + parent.step_tokens
         self.num_reserved_tokens = self.num_kv_tokens = parent.num_reserved_tokens

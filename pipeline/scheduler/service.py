@@ -13,7 +13,6 @@ from operator import attrgetter
 
 from pagedserve.pipeline import messages
 from pagedserve.pipeline.scheduler import QueueFull, RequestRejected, Scheduler
-from pagedserve.pipeline.scheduler.lora_slots import lora_stats
 from pagedserve.pipeline.scheduler.sequence import Request, RequestState
 from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
@@ -384,7 +383,7 @@ class SchedulerService:
         if tiers is not None:
             spec |= tiers.stats()
         if self.scheduler.config.max_loras:
-            spec |= lora_stats(self.scheduler.queues, self.scheduler.config.max_loras)
+            spec |= self.scheduler.queues.lora_stats(self.scheduler.config.max_loras)
         return spec | {
             "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
             "num_requests_swapped": s.num_swapped, "kv_cache_usage_perc": s.kv_usage,

@@ -21,12 +21,10 @@ from operator import attrgetter
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
-from pagedserve.pipeline.scheduler.lora_slots import StepAdapters
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
 from pagedserve.pipeline.scheduler.preemption import pick_victim
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
-from pagedserve.pipeline.scheduler.slots import can_swap_in, grow
+from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, SequenceStatus
 
 SEQ_ID = attrgetter("seq_id")
 RUNNING = SequenceStatus.RUNNING
@@ -110,24 +108,19 @@ class StepRule:
             keep(seq)
             return False
         n = len(seq.token_ids)
-        if (not self.config.decode_lanes or seq.num_computed_tokens + 1 != n
-                or seq.num_reserved_tokens >= n or seq.needs_full_send or b.budget <= 0):
+        new_blocks = None
+        if (self.config.decode_lanes and seq.num_computed_tokens + 1 == n
+                and seq.num_reserved_tokens < n and not seq.needs_full_send and b.budget > 0):
+            if n <= seq.num_blocks_sent * self.block_size and not seq.shared_tail:
+                new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
+                seq.hold_slots(n, reported=False)
+            else:  # None: its last block is shared, or the pool is short
+                new_blocks = seq.reserve_lane(self.kv, n)
+        if new_blocks is None:
             self._catch_up(seq, b)
             if seq.status is RUNNING:
                 keep(seq)
             return False
-        if n <= seq.num_blocks_sent * self.block_size and not seq.shared_tail:
-            new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
-            seq.hold_slots(n, reported=False)
-        else:
-            new_blocks = self.kv.reserve_slots(seq.seq_id, n)
-            if new_blocks is None:  # its last block is shared, or the pool is short
-                self._catch_up(seq, b)
-                if seq.status is RUNNING:
-                    keep(seq)
-                return False
-            seq.hold_slots(n, reported=True)
-            seq.sent_blocks_upto(seq.num_blocks_sent + len(new_blocks))
         if not (new_blocks and seq.num_tokens_sent + 1 == n
                 and n <= seq.num_prompt_tokens + seq.request.max_output_tokens - 2):
             self._plan_tokens(seq, 1, new_blocks, b)
@@ -155,7 +148,7 @@ class StepRule:
         if k <= 0:
             return False
         drafts = self.life.proposer.propose(seq.seq_id, tokens, k)
-        if not drafts or not grow(seq, 1 + len(drafts), self.kv, b.copy):
+        if not drafts or not seq.grow(1 + len(drafts), self.kv, b.copy):
             return False
         seq.propose(drafts)
         self._emit(seq, 1, b, drafts)
@@ -197,7 +190,7 @@ class StepRule:
                 # its LoRA adapter would pass --max-loras this step
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = self._chunk(remaining, b.budget)
-            if not can_swap_in(seq, chunk, kv, self.num_watermark_blocks):
+            if not self._can_swap_in(seq, chunk):
                 break
             q.swap_in_head()
             loras.add(seq.request)
@@ -206,9 +199,21 @@ class StepRule:
             seq.table_changed()
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
             # sequence swapped in and out in one step would undo itself.
-            if chunk and grow(seq, chunk, kv, b.copy):
+            if chunk and seq.grow(chunk, kv, b.copy):
                 self._emit(seq, chunk, b)
             self._place(seq, chunk == remaining, decodes, chunks)
+
+    def _can_swap_in(self, seq: Sequence, chunk: int) -> bool:
+        """Room above the watermark for its blocks and for the ones its next chunk adds, so a
+        swapped-in sequence can run at once instead of being pushed straight back out."""
+        kv = self.kv
+        if not kv.can_swap_in(seq.seq_id, seq.num_computed_tokens):
+            return False
+        bs = kv.block_size
+        table = -(-seq.num_reserved_tokens // bs)  # blocks a sliding window released included
+        held = table - kv.num_released_blocks(seq.seq_id)
+        more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - table)
+        return kv.num_free_blocks - held - more >= self.num_watermark_blocks
 
     def _admit_waiting(self, b: PlanBuilder, decodes: list[Sequence],
                        chunks: list[Sequence]) -> None:
@@ -328,7 +333,7 @@ class StepRule:
         """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
         returning False) when the pool is short."""
         q = self.queues
-        while not grow(seq, num_new, self.kv, b.copy):
+        while not seq.grow(num_new, self.kv, b.copy):
             victim = pick_victim((q.running, q.prefilling), self.policy.key, b.step_id)
             if victim is None:
                 raise RuntimeError(f"seq {seq.seq_id} is short of blocks and no sequence is left "
@@ -354,3 +359,30 @@ class StepRule:
             if victim is None or not self.policy.may_preempt(head, victim):
                 return
             self.life.preempt(victim, b)
+
+
+class StepAdapters:
+    """The distinct LoRA adapters of a step's running sequences, worked out on first need (a
+    step with no adapter waiting never looks). A waiting or swapped sequence joins only while
+    they stay within --max-loras (the base model takes none); otherwise it waits at the head of
+    its queue like a sequence short of blocks."""
+
+    __slots__ = ("max_loras", "_running", "_ids")
+
+    def __init__(self, max_loras: int, *running: list[Sequence]) -> None:
+        self.max_loras = max_loras
+        self._running = running
+        self._ids: set[int] | None = None
+
+    def admits(self, request: RequestState) -> bool:
+        lora = request.lora
+        if lora is None:
+            return True
+        if self._ids is None:
+            self._ids = {seq.request.lora.lora_int_id for group in self._running
+                         for seq in group if seq.request.lora is not None}
+        return lora.lora_int_id in self._ids or len(self._ids) < self.max_loras
+
+    def add(self, request: RequestState) -> None:
+        if request.lora is not None and self._ids is not None:
+            self._ids.add(request.lora.lora_int_id)

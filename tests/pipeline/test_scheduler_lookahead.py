@@ -1,4 +1,4 @@
-"""Overlapped scheduling (pipeline/scheduler/lookahead.py): a step of steady decodes planned
+"""Overlapped scheduling (Scheduler.schedule_ahead): a step of steady decodes planned
 before the result of the one in flight is back, its tokens taken by the worker from its own
 samples. Driven through the scheduler process's own StepLoop, against the fake worker that checks
 every slot it reads: the same tokens and finish reasons as without it, whatever finishes,

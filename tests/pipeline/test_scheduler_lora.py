@@ -7,7 +7,6 @@ from pagedserve.pipeline.lora_request import LoRARequest
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.scheduler import RequestRejected, Scheduler
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
-from pagedserve.pipeline.scheduler.lora_slots import lora_stats
 from pagedserve.pipeline.scheduler.sequence import Request
 from pagedserve.pipeline.sampling_params import SamplingParams
 
@@ -49,7 +48,7 @@ def test_no_step_uses_more_adapters_than_max_loras_and_all_finish():
         for new in plan.new_seqs:
             seen[s.seqs[new.seq_id].request.request_id] = new.lora.lora_int_id if new.lora else 0
         if now == 0:
-            assert lora_stats(s.queues, 2) == {"lora_running": ["a1", "a2"],
+            assert s.queues.lora_stats(2) == {"lora_running": ["a1", "a2"],
                                                "lora_waiting": ["a1", "a3"], "max_lora": 2}
         if not s.has_unfinished():
             break
