@@ -1,7 +1,7 @@
 """The scheduling policy (pure code: no sockets, the clock passed in)."""
 from pagedserve.pipeline.scheduler.admission import QueueFull, RequestRejected
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
-from pagedserve.pipeline.scheduler.policy import FCFSPolicy, PriorityPolicy, make_policy
+from pagedserve.pipeline.scheduler.queues import FCFSPolicy, PriorityPolicy, make_policy
 from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
 from pagedserve.pipeline.scheduler.scheduler import Scheduler
 from pagedserve.pipeline.scheduler.step_outputs import Recovery, SchedulerStats

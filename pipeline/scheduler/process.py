@@ -1,11 +1,9 @@
 """Scheduler role: `python -m pagedserve.pipeline.scheduler.process --config-file ...`.
 
-Sockets: a ROUTER for clients (AddRequest/Abort/UtilityCall, heartbeats), a ROUTER for the
-worker ranks (Reset and StepPlan out to every rank, WorkerReady and StepResult back), a PULL
-for the detokenizer's StopMatched/Abort and the launcher's lifecycle news, and a PUSH to the
-detokenizer (DetokOpen/TokenBatch). While the workers compute a step the loop keeps taking
-requests, aborts and utility calls; the next plan is built the moment the result arrives. With
-nothing to do it blocks on its sockets (waking once a second for liveness checks).
+Sockets: a ROUTER for clients, a ROUTER for the worker ranks, a PULL for the detokenizer's and
+the launcher's news, and a PUSH to the detokenizer. While the workers compute a step the loop
+keeps taking messages; the next plan is built the moment the result arrives. With nothing to
+do it blocks on its sockets (waking once a second for liveness checks).
 
 Worker-group lifecycle: the scheduler owns an epoch token. At start and after every loss of the
 workers' KV state (a rank died, raised, or a step ran past --step-timeout) it takes a new
@@ -74,16 +72,15 @@ class SchedulerProcess:
         self.control = transport.make_socket(self.ctx, zmq.PUSH, cfg.ipc.control_addr, bind=False)
         self.block_tables = None
         self.service: SchedulerService | None = None
-        self.loop: StepLoop | None = None  # the steps with the workers, built with the service
-        # PAGEDSERVE_STEP_TRACE: where a step planned ahead starts, rank 0's clock when it sent
-        # the result before (it had the plan by then); None: when it was sent, as for the others.
+        self.loop: StepLoop | None = None  # built with the service
+        # PAGEDSERVE_STEP_TRACE: a step planned ahead starts when rank 0 sent the result before
+        # (it had the plan by then); None: when it was sent.
         self.trace_since: float | None = None
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
-        # One table for all three sockets: the service's messages plus the worker group's; the
-        # second argument is the sender's identity on the ROUTERs (clients, worker ranks) and
-        # None on the PULL (detokenizer, launcher). Built with the service, once workers are up.
+        # One table for all three sockets, the service's messages added once it is built; the
+        # sender is the identity on the ROUTERs and None on the PULL (detokenizer, launcher).
         self.dispatcher = transport.Dispatcher(
             "scheduler", self._group_handlers(), log=log,
             report=lambda tag, _reason: self._count_unknown("scheduler", tag))
@@ -101,7 +98,6 @@ class SchedulerProcess:
     def workers_ready(self) -> bool:
         return len(self.ready_ranks) == self.tp_size
 
-    # -- worker group --------------------------------------------------------------------------
     def _send_resets(self) -> None:
         reset = transport.encode(messages.Reset(self.token))
         for rank in range(self.tp_size):
@@ -168,7 +164,17 @@ class SchedulerProcess:
         scheduler = Scheduler.from_config(sconf, num_gpu_blocks, num_cpu_blocks,
                                           eos_token_ids=self.cfg.model_info.eos_token_ids,
                                           block_tables=self.block_tables)
-        self._attach_tiers(scheduler)
+        # The KV tiers below the device pool, as the workers built them (kvmanager/tiers.py).
+        from pagedserve.kvmanager.tiers import build_tiers
+        ready, c = list(self.ready_ranks.values()), self.cfg.cache
+        tiers = build_tiers(min(r.num_tier_blocks for r in ready), ready[0].block_bytes,
+                            ready[0].tier_namespace, c.kv_offload_dir, c.kv_offload_disk_size)
+        if tiers is not None:
+            scheduler.kv.attach_tiers(tiers)
+            log.info("KV tiers: %d host blocks, disk %s (%d blocks found there)",
+                     tiers.host.pool.num_blocks if tiers.host else 0,
+                     tiers.disk.directory if tiers.disk else "off",
+                     len(tiers.disk.index) if tiers.disk else 0)
         from pagedserve.pipeline.structured.setup import enable_structured_outputs
         gate = enable_structured_outputs(  # warmed when idle
             scheduler, self.cfg.model_info,
@@ -190,28 +196,12 @@ class SchedulerProcess:
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens; max model len %d",
                  num_gpu_blocks, num_cpu_blocks, sconf.block_size, self.cfg.max_model_len)
 
-    def _attach_tiers(self, scheduler: Scheduler) -> None:
-        """The KV tiers below the device pool, as the workers built them (kvmanager/tiers.py)."""
-        from pagedserve.kvmanager.tiers import build_tiers
-        ready = list(self.ready_ranks.values())
-        c = self.cfg.cache
-        tiers = build_tiers(min(r.num_tier_blocks for r in ready), ready[0].block_bytes,
-                            ready[0].tier_namespace, c.kv_offload_dir, c.kv_offload_disk_size)
-        if tiers is not None:
-            scheduler.kv.attach_tiers(tiers)
-            log.info("KV tiers: %d host blocks, disk %s (%d blocks found there)",
-                     tiers.host.pool.num_blocks if tiers.host else 0,
-                     tiers.disk.directory if tiers.disk else "off",
-                     len(tiers.disk.index) if tiers.disk else 0)
-
-    # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         # Whatever the detokenizer holds belongs to a previous scheduler (if any).
         transport.send(self.detok, messages.Reset(self.instance))
         num_gpu, num_cpu = self.wait_for_workers()
         self.build(num_gpu, num_cpu)
-        # What start-up built lives as long as the process: keep it out of the GC's scans
-        # (scripts/bench_scheduler.py measures the cycle the same way).
+        # What start-up built lives as long as the process: keep it out of the GC's scans.
         gc.collect()
         gc.freeze()
         transport.send(self.control, messages.ProcessReady("scheduler", 0, os.getpid(),
@@ -259,9 +249,8 @@ class SchedulerProcess:
 
     def _warm_grammars_when_idle(self, now: float) -> None:
         """Build the vocabulary's grammar tables once nothing has run for WARM_AFTER_IDLE_S (a
-        structured request that comes first builds them itself, waiting in the queue). Built
-        beside running steps (importing xgrammar imports torch and transformers), they made the
-        first batch after a start ~4x slower: 16 requests 0.8 -> 3.5 s."""
+        structured request that comes first builds them itself). Built beside running steps
+        (xgrammar imports torch), they made the first batch after a start ~4x slower."""
         if self.grammars_warmed or self.service.grammar_gate is None:
             return
         if self.inflight is not None or self.service.scheduler.has_unfinished():
@@ -289,12 +278,10 @@ class SchedulerProcess:
     def _trace_step(self, plan: messages.StepPlan, timings: dict, schedule_ms: float,
                     since: float, received: float, updated: float) -> None:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and where its time
-        went: schedule, send (plan sent until rank 0 has it), rank 0's forward (matmul,
-        attention, other) and sample, return (result sent until here), update (the result
-        applied and the tokens handed to the detokenizer, which writes its own lines). A step
-        planned ahead (`ahead`) was planned while the step before computed, and its send and
-        round trip count from rank 0's sending that step's result. Clock readings of other
-        processes are time.monotonic(): one host's clock."""
+        went: schedule, send (until rank 0 has the plan), rank 0's forward and sample, return
+        (result sent until here), update (applied and handed to the detokenizer). A step
+        planned ahead counts from rank 0's sending the result before. Other processes' clock
+        readings are time.monotonic(): one host's clock."""
         decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
         tokens = plan.num_tokens
         line = {"role": "scheduler", "step": plan.step_id, "decode_seqs": decodes,
@@ -313,9 +300,7 @@ class SchedulerProcess:
                                      for k, v in line.items()}) + "\n")
         self.trace.flush()
 
-    # -- receiving -----------------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, routed: bool) -> None:
-        """Everything waiting on one socket, through the dispatch table."""
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -1,4 +1,5 @@
-"""Where each live sequence waits or runs, and the counts the caps are checked against.
+"""Where each live sequence waits or runs, the counts the caps are checked against, and the
+policy that orders the queues.
 
 `SequenceQueues` is the one owner of the queues and their counts: the waiting and swapped heaps
 (by policy key; a sequence that left one lazily stays until it reaches the top), the running
@@ -6,6 +7,9 @@ sequences in step order - decodes (`running`) before prompts part-way through (`
 and `num_unforked`, the room held under max_num_seqs for samples a parent forks once its
 prompt is done. Every move of a sequence between them is one method here, which also records
 its status on the sequence.
+
+A policy's key orders admissions (smallest first) and picks preemption victims (largest
+first), so the sequence admitted last is the first to go.
 """
 from __future__ import annotations
 
@@ -17,6 +21,46 @@ from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
+
+
+class FCFSPolicy:
+    """Oldest request first; priorities are ignored and nobody is pushed out for a newcomer."""
+
+    name = "fcfs"
+    preempts_for_waiting = False  # lets the scheduler skip the check entirely
+
+    @staticmethod
+    def key(seq: Sequence) -> tuple:
+        return (seq.request.arrival_time, seq.seq_id)
+
+    @staticmethod
+    def may_preempt(waiting: Sequence, running: Sequence) -> bool:
+        return False
+
+
+class PriorityPolicy:
+    """Lower `priority` value first, then oldest; a waiting request may preempt a running one of
+    strictly lower priority (higher value) when blocks are short."""
+
+    name = "priority"
+    preempts_for_waiting = True
+
+    @staticmethod
+    def key(seq: Sequence) -> tuple:
+        return (seq.request.priority, seq.request.arrival_time, seq.seq_id)
+
+    @staticmethod
+    def may_preempt(waiting: Sequence, running: Sequence) -> bool:
+        return waiting.request.priority < running.request.priority
+
+
+POLICIES = {FCFSPolicy.name: FCFSPolicy, PriorityPolicy.name: PriorityPolicy}
+
+
+def make_policy(name: str):
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]()
 
 
 class SequenceQueues:
@@ -63,18 +107,14 @@ class SequenceQueues:
         self.num_swapped += 1
         heapq.heappush(self.swapped, (self.key(seq), seq))
 
-    def admit_head(self) -> Sequence:
+    def admit_head(self) -> None:
         """The waiting head (`head` has found it) starts running."""
-        seq = heapq.heappop(self.waiting)[1]
         self.num_waiting -= 1
-        self.start(seq)
-        return seq
+        self.start(heapq.heappop(self.waiting)[1])
 
-    def swap_in_head(self) -> Sequence:
-        seq = heapq.heappop(self.swapped)[1]
+    def swap_in_head(self) -> None:
         self.num_swapped -= 1
-        self.start(seq)
-        return seq
+        self.start(heapq.heappop(self.swapped)[1])
 
     def start(self, seq: Sequence) -> None:
         seq.started()

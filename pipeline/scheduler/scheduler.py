@@ -26,8 +26,7 @@ from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult, Tie
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
-from pagedserve.pipeline.scheduler.policy import make_policy
-from pagedserve.pipeline.scheduler.queues import SequenceQueues
+from pagedserve.pipeline.scheduler.queues import SequenceQueues, make_policy
 from pagedserve.pipeline.scheduler.results import advance
 from pagedserve.pipeline.scheduler.sequence import (STATUS_FOR_REASON, Request, RequestState,
                                                     Sequence, SequenceStatus)
@@ -97,16 +96,9 @@ class Scheduler:
     num_swapped = property(lambda self: self.queues.num_swapped)
     num_unforked = property(lambda self: self.queues.num_unforked)
 
-    @property
-    def grammar_book(self):
-        """Structured output's matchers (pipeline/structured/matchers.py); None: not enabled."""
-        return self.life.grammar_book
-
-    @grammar_book.setter
-    def grammar_book(self, book) -> None:
-        self.life.grammar_book = book
-
-    # ------------------------------------------------------------------ requests in and out
+    # Structured output's matchers (pipeline/structured/matchers.py); None: not enabled.
+    grammar_book = property(lambda self: self.life.grammar_book,
+                            lambda self, book: setattr(self.life, "grammar_book", book))
 
     def add(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (QueueFull when the queue is at its bound)."""
@@ -182,8 +174,6 @@ class Scheduler:
                 f"the worker group (last: {cause or 'unknown cause'}); it was failed so that "
                 f"the other requests could complete")))
         return Recovery(self.queues.num_waiting, failed)
-
-    # ------------------------------------------------------------------ the step
 
     def schedule(self, now: float) -> StepPlan:
         if self._inflight is not None:
@@ -262,8 +252,6 @@ class Scheduler:
         plan = self._build(a)
         plan.ahead = True
         return plan
-
-    # ------------------------------------------------------------------ results
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         """Apply the workers' sampled tokens; returns what each sample of each request gained."""

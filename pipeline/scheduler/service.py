@@ -1,12 +1,11 @@
-"""What the scheduler process does with each message, without sockets.
-
-`SchedulerService` turns client messages into `Scheduler` calls and scheduler outputs into
-messages; the process module (`pagedserve.pipeline.scheduler.process`) only moves frames. Every `send_*`
-is injected, so tests drive this with plain lists.
-"""
+"""What the scheduler process does with each message, without sockets: client messages into
+`Scheduler` calls, scheduler outputs into messages. Every `send_*` is injected, so tests drive
+this with plain lists; the process module only moves frames."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
@@ -85,13 +84,11 @@ class SchedulerService:
         self.roles_down: dict[str, str] = {}  # role -> cause, while it restarts
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.request_acceptance = Histogram(ACCEPTANCE_BUCKETS)
-        # Messages some role received and did not handle, by (role, type tag): /metrics shows
-        # them as pagedserve:unknown_messages.
-        self.unknown_messages: dict[tuple[str, str], int] = {}
-        # Restarts by role (the worker group counts once per restart of all its ranks): the
-        # launcher's RoleDown news since this scheduler started, and the scheduler's own
-        # incarnation. /metrics shows them as pagedserve:process_restarts.
-        self.restarts: dict[str, int] = {}
+        # Messages some role received and did not handle, by (role, type tag).
+        self.unknown_messages: Counter[tuple[str, str]] = Counter()
+        # Restarts by role since this scheduler started (the worker group counts once), and
+        # the scheduler's own incarnation.
+        self.restarts: Counter[str] = Counter()
         self.foreign_aborts = 0  # aborts a client sent for requests it does not own (ignored)
         self.quarantined: dict[str, str] = {}  # request id -> why (it ended the detokenizer)
 
@@ -133,7 +130,6 @@ class SchedulerService:
     def seen(self, client_id: bytes) -> None:
         self.last_seen[client_id] = self.clock()
 
-    # -- client messages ---------------------------------------------------------------------
     def on_add(self, client_id: bytes, msg: messages.AddRequest) -> None:
         self.seen(client_id)
         if msg.resubmitted and self._holds(client_id, msg.request_id):
@@ -235,23 +231,18 @@ class SchedulerService:
         self.send_to_client(client_id, reply)
 
     def count_restart(self, role: str) -> None:
-        self.restarts[role] = self.restarts.get(role, 0) + 1
+        self.restarts[role] += 1
 
     def count_unknown(self, role: str, tag: str) -> None:
-        key = (role, tag)
-        self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
+        self.unknown_messages[role, tag] += 1
 
-    # -- liveness and recovery -----------------------------------------------------------------
     def abort_silent_clients(self) -> None:
         """Abort the requests of clients that stopped sending heartbeats (e.g. a dead ingress)."""
         now = self.clock()
         gone = {cid for cid, t in self.last_seen.items() if now - t > self.client_timeout_s}
-        if not gone:
-            return
         for cid in gone:
             del self.last_seen[cid]
-        rids = [rid for rid, o in self.owners.items() if o.client_id in gone]
-        self.on_abort(rids)
+        self.on_abort([rid for rid, o in self.owners.items() if o.client_id in gone])
 
     def quarantine(self, request_id: str, cause: str) -> None:
         """The detokenizer died working on this request (its breadcrumb named it): fail it
@@ -284,12 +275,10 @@ class SchedulerService:
             prompt = state.seqs[0].token_ids[:state.num_prompt_tokens] if state.seqs else []
             self.send_to_detok(messages.DetokOpen(request_id=rid, client_id=owner.client_id,
                                                   prompt_token_ids=prompt, sampling=owner.sampling))
-            samples = []
-            for seq in state.seqs:
-                samples.append(messages.SampleTokens(
-                    request_id=rid, index=seq.index, token_ids=seq.output_token_ids, offset=0,
-                    finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens,
-                    embedding=seq.embedding))
+            samples = [messages.SampleTokens(
+                request_id=rid, index=seq.index, token_ids=seq.output_token_ids, offset=0,
+                finish_reason=seq.finish_reason, num_prompt_tokens=owner.num_prompt_tokens,
+                embedding=seq.embedding) for seq in state.seqs]
             if samples:
                 self.send_to_detok(messages.TokenBatch(-1, samples))
 
@@ -303,14 +292,11 @@ class SchedulerService:
     def fail_all(self, status: int, message: str) -> None:
         """Tell every client its requests cannot complete, and drop them."""
         for rid, owner in list(self.owners.items()):
-            try:
+            with contextlib.suppress(Exception):  # the client may be gone too
                 self.send_to_client(owner.client_id, messages.RequestFailed(rid, status, message))
-            except Exception:  # noqa: BLE001 - the client may be gone too
-                pass
             self.scheduler.abort(rid)
         self.owners.clear()
 
-    # -- steps ---------------------------------------------------------------------------------
     def on_step_result(self, plan: messages.StepPlan, result: messages.StepResult) -> None:
         outputs = self.scheduler.update(plan, result, self.clock())
         self.iteration_tokens.observe(plan.num_tokens)

@@ -1,16 +1,10 @@
 """The steps with the workers: at most one in flight, and one planned behind it.
 
 Both drivers run this loop: SchedulerProcess sends each plan to the worker ranks over ZeroMQ,
-EngineCore hands it to a WorkerCore in the same process. Either calls `start` when no step is
-in flight and there is work, `on_result` with each StepResult, and (the process) `overdue` to
-find a hung step. With overlap on, every plan sent is followed at once by the step of steady
-decodes behind it when one can be planned ahead (lookahead.py), so the workers go from one
-step to the next without waiting for the scheduler's round trip - in-process exactly as in the
-process group.
-
-No sockets, no clock of its own (`clock` is passed in). The steps themselves are the
-scheduler's (`Scheduler.step_in_flight`, `step_ahead`); the loop only adds when the step in
-flight started and what planning it cost.
+EngineCore hands it to a WorkerCore in the same process, so the in-process engine overlaps
+steps exactly as the process group does (`Scheduler.schedule_ahead`). No sockets, no clock of
+its own. The steps themselves are the scheduler's (`Scheduler.step_in_flight`, `step_ahead`);
+the loop only adds when the step in flight started and what planning it cost.
 """
 from __future__ import annotations
 
@@ -49,10 +43,6 @@ class StepLoop:
     @property
     def inflight(self) -> StepPlan | None:
         return self.scheduler.step_in_flight
-
-    @property
-    def ahead(self) -> StepPlan | None:
-        return self.scheduler.step_ahead
 
     def ready(self) -> bool:
         """A step can be started: none in flight, and a request to plan for."""
@@ -96,12 +86,10 @@ class StepLoop:
     def overdue(self, now: float) -> StepPlan | None:
         """The step in flight when it has run past the step timeout at clock() `now`."""
         plan = self.inflight
-        if plan is not None and now - self.inflight_since > self.step_timeout:
-            return plan
-        return None
+        return plan if plan is not None and now - self.inflight_since > self.step_timeout else None
 
     def _plan_ahead(self) -> None:
-        if not self.overlap or self.ahead is not None:
+        if not self.overlap or self.scheduler.step_ahead is not None:
             return
         started = time.perf_counter()
         plan = self.scheduler.schedule_ahead()
