@@ -35,7 +35,9 @@ from pagedserve.pipeline.scheduler.step_loop import StepLoop
 log = logging.getLogger("pagedserve.scheduler")
 IDLE_POLL_MS = 1000
 COMPILE_POLL_MS = 2  # while a request waits for its grammar to compile
-WARM_AFTER_IDLE_S = 2.0  # idle time after which the grammar tables are built ahead of use
+# Idle time (since ready or the last work) after which the grammar tables are built ahead of
+# use: long enough that a client starting at health (a benchmark, a test) has begun.
+WARM_AFTER_IDLE_S = 10.0
 RESET_RETRY_S = 0.5
 DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
 
@@ -206,6 +208,7 @@ class SchedulerProcess:
         gc.freeze()
         transport.send(self.control, messages.ProcessReady("scheduler", 0, os.getpid(),
                                                      f"{num_gpu} KV blocks"))
+        self.busy_at = time.monotonic()  # the idle clock starts at ready
         self.faults.started()
         poller = zmq.Poller()
         for sock in (self.frontend, self.workers, self.events):
