@@ -144,9 +144,6 @@ _stop_sets: dict[frozenset[int], frozenset[int]] = {}
 def _shared(stop_ids: frozenset[int]) -> frozenset[int]:
     """One set per distinct content: `update` checks every sampled token against its request's
     set, and a few shared sets stay in cache where thousands of equal copies would not."""
-    shared = _stop_sets.get(stop_ids)
-    if shared is None:
-        shared = stop_ids
-        if len(_stop_sets) < 1024:
-            _stop_sets[stop_ids] = stop_ids
-    return shared
+    if len(_stop_sets) < 1024:
+        return _stop_sets.setdefault(stop_ids, stop_ids)
+    return _stop_sets.get(stop_ids, stop_ids)

@@ -1,12 +1,9 @@
 """A request's life in the scheduler: queued, admitted, forked, preempted, finished.
 
-`RequestLifecycle` owns the requests and their sequences (`requests`, `seqs`), what finished
-since the service and the workers last heard (`take_finished`, `take_finished_seq_ids`), and
-the counts of requests in and out. The Scheduler composes it with the queues
-(`SequenceQueues`) and the KV manager, plans against them, and calls it to move a request on:
-`add`, `admitted`, `fork_samples`, `preempt`, `finish`, `finish_request`, the stop rules of a
-step's samples (`finish_sampled`, `finish_pooled`). A finish in the step in flight counts its
-row there (`inflight`): update drops rows one by one from then on.
+`RequestLifecycle` owns the requests and their sequences, what finished since the service and
+the workers last heard (`take_finished`, `take_finished_seq_ids`), and the counts of requests
+in and out. A finish in the step in flight counts its row there (`inflight`): update drops
+rows one by one from then on.
 """
 from __future__ import annotations
 
@@ -96,8 +93,6 @@ class RequestLifecycle:
         return [seq.request for seq in (*step.lanes, *step.seqs, *step.fork_children)
                 if seq.request.request_id in self.requests]
 
-    # ------------------------------------------------------- sequences forked and preempted
-
     def fork_samples(self, parent: Sequence, b: PlanBuilder) -> None:
         """The step that completes the parent's prompt: its n - 1 siblings share every block
         and sample from the same logits."""
@@ -134,8 +129,6 @@ class RequestLifecycle:
             kv.free(seq.seq_id)
             seq.drop_kv()
             self.queues.push_waiting(seq)
-
-    # ------------------------------------------------------------------ finishing
 
     def finish(self, seq: Sequence, status: SequenceStatus, inflight: PlanBuilder | None
                ) -> bool:
@@ -183,8 +176,7 @@ class RequestLifecycle:
                                           offset=len(seq.token_ids) - seq.num_prompt_tokens))
         return outputs
 
-    def finish_sampled(self, seq: Sequence, row: int, result: StepResult,
-                       inflight: PlanBuilder | None) -> SequenceOutput:
+    def finish_sampled(self, seq: Sequence, row: int, result: StepResult) -> SequenceOutput:
         """The output for the freshly appended tokens (the sampled one, after the spec_skip
         drafts accepted before it), applying the stop rules to each in turn: tokens after
         the one that finishes the sample are dropped."""
@@ -202,14 +194,13 @@ class RequestLifecycle:
             del tokens[i + 1:]
             break
         new = tokens[first:]
-        request_finished = status is not None and self.finish(seq, status, inflight)
+        request_finished = status is not None and self.finish(seq, status, None)
         lp = None if result.logprobs is None else [result.logprobs[row]]
         tlp = None if result.top_logprobs is None else [result.top_logprobs[row]]
         return SequenceOutput(req.request_id, seq.index, new, FINISH_REASONS.get(status),
                               request_finished, lp, tlp, first - seq.num_prompt_tokens)
 
-    def finish_pooled(self, seqs: list[Sequence], result: StepResult,
-                      inflight: PlanBuilder | None) -> list[SequenceOutput]:
+    def finish_pooled(self, seqs: list[Sequence], result: StepResult) -> list[SequenceOutput]:
         """Embedding requests whose prompt the step completed: each finishes with the vector
         the workers pooled for it (its blocks go back to the pool, its full ones findable)."""
         vectors = dict(zip(result.pooled_seq_ids, result.pooled))
@@ -220,7 +211,7 @@ class RequestLifecycle:
                 raise ValueError(f"StepResult for step {result.step_id} has no pooled vector "
                                  f"for sequence {seq.seq_id}, which completed its prompt")
             seq.pooled(vector)
-            done = self.finish(seq, FINISHED_STOPPED, inflight)
+            done = self.finish(seq, FINISHED_STOPPED, None)
             outputs.append(SequenceOutput(seq.request.request_id, seq.index, [], "stop", done,
                                           embedding=vector))
         return outputs

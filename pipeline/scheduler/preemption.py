@@ -3,24 +3,18 @@
 The victim is the running sequence with the largest policy key not yet planned this step
 (`pick_victim`); the Scheduler moves it out (`RequestLifecycle.preempt`).
 
-Swap or recompute, by a cost model (seconds to get a preempted sequence of T tokens back to
-where it was):
+Swap or recompute, by a cost model (seconds to get a preempted sequence of T tokens back):
 
     swap(T)      = c + 2 * T * kv_bytes_per_token / host_bytes_per_s
-                   (its K/V go to the host pool and come back: bytes over the host link, twice,
-                   plus a fixed overhead c for the launches and synchronisation of one round trip)
+                   (its K/V over the host link and back, plus a fixed cost c per round trip)
     recompute(T) = (T * flops_per_token + attn_flops_per_token_pair * T**2) / device_flops_per_s
-                   (a prefill of T tokens: linear layers ~ 2 * params per token, causal attention
-                   ~ 2 * layers * hidden per pair of tokens, so quadratic in T)
+                   (a prefill of T tokens: causal attention makes it quadratic in T)
 
-Both grow with T, but recompute has no fixed cost and grows quadratically, so short sequences
-are cheaper to recompute and long ones cheaper to swap. The break-even length is the positive
-root of  q T^2 + (b - a) T - c = 0  with a, b the per-token swap and recompute costs and q the
-quadratic coefficient. With the defaults below (SmolLM2-135M in fp16: 30 layers, 3 KV heads of
-64, hidden 576; a 25 GB/s host link, ~100 TFLOP/s achieved, 200 us per swap round trip) it is
-about 210 tokens: ``auto`` recomputes sequences shorter than that and swaps the rest. Set
-``SchedulerConfig.swap_threshold_tokens`` to override, or derive one for another model with
-``PreemptionCostModel(...).swap_threshold_tokens()``.
+Recompute has no fixed cost and grows quadratically, so short sequences are cheaper to
+recompute and long ones to swap; the break-even is the positive root of q T^2 + (b - a) T - c
+= 0 (a, b the per-token swap and recompute costs, q the quadratic one). With the defaults below
+(SmolLM2-135M in fp16, a 25 GB/s host link, ~100 TFLOP/s, 200 us per swap round trip) it is
+about 210 tokens. ``SchedulerConfig.swap_threshold_tokens`` overrides it.
 """
 from __future__ import annotations
 

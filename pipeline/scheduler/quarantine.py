@@ -4,10 +4,7 @@ Every request in a step that crashed the workers (a rank raised or died by itsel
 from outside) becomes a suspect until it samples again. One suspect at a time joins a step (the
 one "on trial"), so a second crash names the request that caused it; a request in MAX_CRASHES
 such steps in a row is failed alone (by the Scheduler), so the others can complete.
-
-The quarantine owns its suspects and trial; RequestState.crashes counts each request's crashes.
-The Scheduler asks it (`holds`) and tells it what happened (`record_crash`, `begin_trial`,
-`end_trial`, `forget`).
+RequestState.crashes counts each request's crashes.
 """
 from __future__ import annotations
 
@@ -40,14 +37,12 @@ class Quarantine:
                 self.suspects[req.request_id] = req
         return culprits
 
-    def holds(self, req: RequestState) -> bool:
-        """A suspect waits while another suspect is on trial."""
-        trial = self.on_trial
-        return req.request_id in self.suspects and trial is not None and trial is not req
-
     def holds_back(self, req: RequestState) -> bool:
-        """`holds`, at the cost of a truth test while nobody is a suspect (the common case)."""
-        return bool(self.suspects) and self.holds(req)
+        """A suspect waits while another suspect is on trial (a truth test while nobody is a
+        suspect, the common case)."""
+        trial = self.on_trial
+        return (bool(self.suspects) and req.request_id in self.suspects and trial is not None
+                and trial is not req)
 
     def begin_trial(self, req: RequestState) -> None:
         """`req` joins a step: a suspect joining is the one on trial."""

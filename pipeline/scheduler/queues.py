@@ -1,15 +1,12 @@
 """Where each live sequence waits or runs, the counts the caps are checked against, and the
 policy that orders the queues.
 
-`SequenceQueues` is the one owner of the queues and their counts: the waiting and swapped heaps
-(by policy key; a sequence that left one lazily stays until it reaches the top), the running
-sequences in step order - decodes (`running`) before prompts part-way through (`prefilling`) -
-and `num_unforked`, the room held under max_num_seqs for samples a parent forks once its
-prompt is done. Every move of a sequence between them is one method here, which also records
-its status on the sequence.
-
-A policy's key orders admissions (smallest first) and picks preemption victims (largest
-first), so the sequence admitted last is the first to go.
+`SequenceQueues` owns the waiting and swapped heaps (by policy key; a sequence that left one
+stays until it reaches the top), the running sequences in step order - decodes (`running`)
+before prompts part-way through (`prefilling`) - and `num_unforked`, the room held under
+max_num_seqs for samples a parent forks once its prompt is done. Every move between them is
+one method here, which also records the sequence's status. A policy's key orders admissions
+(smallest first) and picks preemption victims (largest first): the last admitted goes first.
 """
 from __future__ import annotations
 

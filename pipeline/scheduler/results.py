@@ -2,15 +2,11 @@
 
 `advance` appends each planned sequence's sampled token, counts the tokens it computed, makes
 the blocks that filled up findable in the prefix cache, and sorts the samples into the plain
-ones (one token, no logprobs, cannot stop: returned as StepOutputs' columns) and the ones the
-scheduler must look at (stop ids, max_tokens, logprobs, fork children). It changes only the
-planned sequences and the KV manager's prefix cache; finishing is the scheduler's.
-
-Two loops, one meaning: `_advance_lanes` is the common case of the decode columns (every lane
-still running, rows where the plan put them, nothing to pass on but the tokens), done with one
-C-level map; `_advance_each` is everything else, lanes included, one sequence at a time.
-Blocks are committed in sequence-id order whichever loop ran, so the prefix cache does not
-depend on the plan's encoding.
+ones (StepOutputs' columns) and the ones the scheduler must look at (stop ids, max_tokens,
+logprobs, fork children); finishing is the scheduler's. Two loops, one meaning: `_advance_lanes`
+is the common case of the decode columns, done with one C-level map; `_advance_each` is
+everything else. Blocks are committed in sequence-id order whichever loop ran, so the prefix
+cache does not depend on the plan's encoding.
 """
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from collections import deque
 from operator import attrgetter, itemgetter
 
 from pagedserve.pipeline.messages import StepResult
-from pagedserve.pipeline.scheduler.plan import PlanBuilder, ResultRows
+from pagedserve.pipeline.scheduler.plan import PlanBuilder
 from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
 from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
@@ -165,3 +161,26 @@ def _num_accepted(result: StepResult, row: int, drafts: list[int]) -> int:
                          f"{result.seq_ids[row]} had {len(drafts)} drafts but the result "
                          f"accepts {accepted if counts else 'none (no num_accepted)'}")
     return accepted
+
+
+class ResultRows:
+    """A sequence's row in a StepResult, for rows not in plan order (workers answer in plan
+    order, so results are found with a cursor and this index is rarely built)."""
+
+    __slots__ = ("result", "index")
+
+    def __init__(self, result: StepResult) -> None:
+        if len(result.token_ids) != len(result.seq_ids):
+            raise ValueError(f"StepResult for step {result.step_id} has {len(result.seq_ids)} "
+                             f"seq_ids but {len(result.token_ids)} token_ids")
+        self.result = result
+        self.index: dict[int, int] | None = None
+
+    def find(self, seq_id: int) -> int:
+        if self.index is None:
+            self.index = {sid: r for r, sid in enumerate(self.result.seq_ids)}
+        row = self.index.get(seq_id)
+        if row is None:
+            raise ValueError(f"StepResult for step {self.result.step_id} has no token for "
+                             f"sequence {seq_id}, which reached the end of its tokens")
+        return row

@@ -6,17 +6,9 @@ The Scheduler composes the owners of its state and drives them:
   - `RequestLifecycle` (lifecycle.py): the requests and their sequences, from `add` to finish;
   - `StepRule` (step_rule.py): the one rule that decides what each sequence computes;
   - the KV manager (kvmanager/): blocks, the prefix cache, swap.
-It holds the step in flight and the one planned ahead, applies results (`update`: results.py
-reads them back into the sequences, the lifecycle applies the stop rules) and recovers from a
-lost device pool (`reset_device_state`).
-
-Overlapped scheduling (docs/ARCHITECTURE.md): `schedule_ahead()` plans, while the workers
-compute a step of lanes only, the same lanes one token on, their inputs left to the tokens the
-workers sample (-1). A lane whose token ahead opens a block takes a free one (never by
-preempting). A block freed meanwhile may be one of them: the workers run steps in order and an
-owner reads no slot it has not written. Table rows are not reused while a step is in flight
-(`hold_rows`), and no sliding window releases a block ahead. A lane that finishes on the token
-it is sampling computes one token nobody reads, and its row is dropped.
+It holds the step in flight and the one planned ahead (`schedule_ahead`: why that is safe is
+docs/ARCHITECTURE.md's "Overlapped scheduling"), applies results (`update`: results.py reads
+them back, the lifecycle applies the stop rules) and recovers from a lost device pool.
 """
 from __future__ import annotations
 
@@ -142,13 +134,10 @@ class Scheduler:
         pool and queue the sequences that lived there for recompute.
 
         The host swap pool lives in shared memory and survives the workers: sequences swapped
-        out by completed steps stay swapped. Those swapped out by the lost step (its copies may
-        never have happened) are recomputed, as is every sequence that was on the device; a
-        recomputed sequence keeps its tokens and samples only once it has caught up.
-
-        `attributable`: the loss may have been caused by what the step computed (the worker
-        raised or crashed, not killed from outside): the lost step's requests become suspects,
-        and one at MAX_CRASHES (quarantine.py) is failed alone, so that the others complete.
+        out by completed steps stay swapped; those swapped out by the lost step (its copies may
+        never have happened) are recomputed, as is every sequence that was on the device.
+        `attributable`: the loss may have been caused by what the step computed; its requests
+        become suspects, and one at MAX_CRASHES (quarantine.py) is failed alone.
         """
         kv, lost, life = self.kv, self._inflight, self.life
         unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
@@ -272,12 +261,12 @@ class Scheduler:
             outputs.prompt_logprobs = life.new_prompt_logprobs(result)
         if pooled:  # finished in sequence order, as the stop rules below
             pooled.sort(key=SEQ_ID)
-            outputs.others.extend(life.finish_pooled(pooled, result, None))
+            outputs.others.extend(life.finish_pooled(pooled, result))
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
             # go back to the pool in the same order either way.
             pending.sort(key=lambda sampled: sampled[0].seq_id)
-            outputs.others.extend(life.finish_sampled(seq, row, result, None)
+            outputs.others.extend(life.finish_sampled(seq, row, result)
                                   for seq, _token, row in pending)
         self.generation_tokens += len(outputs.seqs) + sum(len(o.new_token_ids)
                                                           for o in outputs.others)

@@ -27,10 +27,6 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
 
-    @property
-    def finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
-
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -59,39 +55,37 @@ class Request:
     lora: LoRARequest | None = None  # its LoRA adapter; None: the base model
 
 
+@dataclass(slots=True, eq=False)
 class RequestState:
     """Per-request bookkeeping shared by its sequences."""
 
-    __slots__ = ("request_id", "sampling", "arrival_time", "priority", "cache_salt",
-                 "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids", "seqs",
-                 "num_unfinished", "forked", "queued", "crashes", "speculates", "num_drafted",
-                 "num_accepted", "num_prompt_logprobs", "pooling", "lora")
+    request_id: str
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+    num_prompt_tokens: int
+    max_output_tokens: int  # counts resubmitted output tokens too
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
+    lora: LoRARequest | None = None  # sent with each NewSeq; its cache_salt carries it too
+    seqs: list[Sequence] = field(init=False, default_factory=list)  # index == sample index
+    min_tokens: int = field(init=False)  # stop ids do not stop before this many outputs
+    num_unfinished: int = field(init=False)  # children count before they exist
+    forked: bool = field(init=False)  # nothing to fork for a single sample
+    queued: bool = field(init=False, default=True)  # counted against max_queued_requests
+    crashes: int = field(init=False, default=0)  # steps that crashed the workers since it sampled
+    # Its sequences draft tokens (n-gram speculation on, and no penalties, logprobs or
+    # grammar); the drafts proposed and accepted, for its acceptance rate.
+    speculates: bool = field(init=False, default=False)
+    num_drafted: int = field(init=False, default=0)
+    num_accepted: int = field(init=False, default=0)
+    num_prompt_logprobs: int = field(init=False, default=1)  # passed on (the first has none)
 
-    def __init__(self, request_id: str, sampling: SamplingParams, arrival_time: float,
-                 priority: int, cache_salt: str | None, num_prompt_tokens: int,
-                 max_output_tokens: int, stop_ids: frozenset[int],
-                 pooling: PoolingParams | None = None, lora: LoRARequest | None = None) -> None:
-        self.request_id = request_id
-        self.sampling = sampling
-        self.arrival_time = arrival_time
-        self.priority = priority
-        self.cache_salt = cache_salt
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_output_tokens = max_output_tokens  # counts resubmitted output tokens too
-        self.min_tokens = sampling.min_tokens  # stop ids do not stop before this many outputs
-        self.stop_ids = stop_ids  # EOS (unless ignore_eos) and stop_token_ids
-        self.seqs: list[Sequence] = []  # index in this list == sample index
-        self.num_unfinished = sampling.n  # children count before they exist
-        self.forked = sampling.n == 1  # nothing to fork for a single sample
-        self.queued = True  # counted against max_queued_requests until first admitted
-        self.crashes = 0  # steps that crashed the worker group since it last sampled
-        # Its sequences draft tokens (n-gram speculation on, and no penalties, logprobs or
-        # grammar); the drafts proposed and accepted, for its acceptance rate.
-        self.speculates = False
-        self.num_drafted = self.num_accepted = 0
-        self.num_prompt_logprobs = 1  # prompt logprobs passed on (the first token has none)
-        self.pooling = pooling  # an embedding request: pooled, never sampled (max_output_tokens 0)
-        self.lora = lora  # sent with each NewSeq; its cache_salt carries it too
+    def __post_init__(self) -> None:
+        self.min_tokens = self.sampling.min_tokens
+        self.num_unfinished = self.sampling.n
+        self.forked = self.sampling.n == 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -131,23 +125,20 @@ class Sequence:
         self.index = index
         self.token_ids = token_ids  # prompt + outputs
         self.num_prompt_tokens = request.num_prompt_tokens
-        self.num_computed_tokens = 0
-        self.num_reserved_tokens = 0  # KV slots it holds
+        self.num_computed_tokens = self.num_reserved_tokens = 0  # reserved: KV slots it holds
         # Slots the KV cache manager has been told about. The difference lies inside the
         # sequence's own, unshared last block and is reported lazily (`sync_kv`, before a fork,
         # swap or preemption), which saves a manager call on most decode steps.
         self.num_kv_tokens = 0
         self.shared_tail = False  # its last block may be shared (just forked): no lazy slots
         self.status = SequenceStatus.WAITING
-        # What the workers hold, so plans are diffs.
-        self.num_tokens_sent = 0
-        self.num_blocks_sent = 0
+        self.num_tokens_sent = self.num_blocks_sent = 0  # what the workers hold: plans are diffs
         self.needs_full_send = True  # next plan carries a NewSeq for it
         self.step_tokens = 0  # tokens it computes in the plan in flight (outside the lanes)
         self.last_step = -1  # last step that scheduled it
         self.preempted_step = -1  # not re-admitted in the step that pushed it out
         # While len(token_ids) <= lane_cap, its next step is a steady decode that goes in the
-        # plan's decode columns (plan.py, lane_cap()); -1: take the general path.
+        # plan's decode columns (StepRule.lane_cap); -1: take the general path.
         self.lane_cap = -1
         self.drafts: list[int] = []  # tokens proposed after its last one in the step in flight
         # Accepted drafts the workers computed but have not been told of (the next plan's
@@ -240,9 +231,8 @@ class Sequence:
 
     # -- planning: what the next step computes, and what the workers hold ---------------------
     def plan_lane(self, step_id: int, n: int) -> None:
-        """Planned as a lane (one token; plan.py) at its `n` = len(token_ids) tokens: the token
-        counts as computed at once, since nothing reads the count before the result is back
-        and a lost step recomputes all."""
+        """Planned as a lane at its `n` = len(token_ids) tokens: the token counts as computed
+        at once (nothing reads the count before the result is back; a lost step recomputes)."""
         self.num_reserved_tokens = self.num_tokens_sent = self.num_computed_tokens = n
         self.last_step = step_id
 
@@ -316,8 +306,7 @@ class Sequence:
         self.num_tokens_sent = self.num_blocks_sent = self.step_tokens = self.spec_skip = 0
         self.drafts = []
         self.needs_full_send = True
-        self.preempted_step = -1
-        self.lane_cap = -1
+        self.preempted_step = self.lane_cap = -1
 
     def fork_from(self, parent: Sequence, step_id: int) -> None:
         """A sample forked from `parent` on the step that completes its prompt: it shares the

@@ -118,8 +118,7 @@ class SchedulerService:
         self.seen(client_id)
         own = [rid for rid in msg.request_ids
                if (owner := self.owners.get(rid)) is not None and owner.client_id == client_id]
-        if len(own) < len(msg.request_ids):
-            self.foreign_aborts += len(msg.request_ids) - len(own)
+        self.foreign_aborts += len(msg.request_ids) - len(own)
         self.on_abort(own)
 
     def on_role_restarted(self, role: str) -> None:

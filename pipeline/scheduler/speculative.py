@@ -1,17 +1,10 @@
-"""N-gram speculative decoding on the scheduler's side: the proposer (its settings are the
-contract `pipeline/speculative_config.py`).
+"""N-gram speculative decoding on the scheduler's side: the proposer (docs/ARCHITECTURE.md).
 
-A speculating sequence in steady decode proposes up to k tokens from its own context (prompt
-lookup): the longest suffix of its tokens, n from prompt_lookup_max down to prompt_lookup_min,
-that occurred earlier is looked up, and the tokens that followed its latest earlier occurrence
-are the drafts. The workers compute the last token and the drafts in one forward, rank 0
-verifies them (workers/sampling/speculative.py: exact for greedy, rejection sampling for sampled
-requests) and returns how many it accepted; the scheduler appends those and the token sampled
-after them (`Scheduler.update`; results.py).
-
-The lookup is an index per sequence, kept up to date as tokens are appended: each n-gram that
-has a token after it maps to where its latest occurrence ends, so a proposal costs a few dict
-operations per new token, not a scan of the context.
+A speculating sequence in steady decode proposes the tokens that followed the latest earlier
+occurrence of the longest suffix of its tokens (n from prompt_lookup_max down to
+prompt_lookup_min). The lookup is an index per sequence, kept up to date as tokens are
+appended: each n-gram that has a token after it maps to where its latest occurrence ends, so a
+proposal costs a few dict operations per new token, not a scan of the context.
 """
 from __future__ import annotations
 

@@ -65,11 +65,6 @@ class StepOutputs(CollectionSequence):
             raise IndexError("StepOutputs index out of range")
         return self._column(i) if i < n else self.others[i - n]
 
-    def __iter__(self):
-        for i in range(len(self.seqs)):
-            yield self._column(i)
-        yield from self.others
-
     def __eq__(self, other) -> bool:
         if isinstance(other, (StepOutputs, list, tuple)):
             return list(self) == list(other)

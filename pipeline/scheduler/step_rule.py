@@ -1,18 +1,10 @@
-"""The one scheduling rule, applied to every live sequence of a step.
-
-Every sequence's computed tokens catch up with its known tokens (prompt, outputs, drafts) as
-far as the step's token budget allows - a chunk of them where chunked prefill allows - taking
-the blocks that needs, by preempting (policy order, largest key first) when the pool is short.
-Sequences meet the rule in this order: decodes, prompts part-way through, swapped sequences
-coming back (not in a step that swapped some out), then waiting ones admitted in policy order
-while the sequence cap, the budget and free blocks (above the watermark) allow; a prefix-cache
-hit counts as computed. Under a policy that allows it, a waiting request short of blocks first
-preempts the sequences it outranks.
-
-How a decision is written into the plan is the plan builder's (plan.py): the steady decode is a
-column entry (a *lane*, decided once the sequence's lane_cap is known), everything else a
-per-sequence entry. `StepRule` changes sequences only through their transitions, the queues and
-the lifecycle through their methods, and the KV manager through its own.
+"""The one scheduling rule, applied to every live sequence of a step (docs/ARCHITECTURE.md,
+"Schedule"): its computed tokens catch up with its known tokens (prompt, outputs, drafts) as far
+as the token budget allows, preempting in policy order when blocks are short. Sequences meet
+the rule in order: decodes, prompts part-way through, swapped ones coming back (not in a step
+that swapped some out), then waiting ones while the sequence cap, the budget and free blocks
+above the watermark allow. How a decision is encoded (a lane or a per-sequence entry) is the
+plan builder's (plan.py).
 """
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ from operator import attrgetter
 from pagedserve.pipeline.messages import NewSeq, ScheduledSeq
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
-from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder, lane_cap
+from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder
 from pagedserve.pipeline.scheduler.preemption import pick_victim
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
 from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, SequenceStatus
@@ -63,11 +55,9 @@ class StepRule:
         q.planned(decodes, chunks)
 
     def _schedule_decodes(self, b: PlanBuilder, decodes: list[Sequence]) -> None:
-        """The rule for every decoding sequence, in running order. One whose next step is
-        already known to be a steady decode (at most lane_cap tokens: plan.py) is written
-        straight into the decode columns, its token counted as computed at once (nothing reads
-        the count before the result is back, and a lost step recomputes everything); the
-        others go through `_decode` at the same point in the order."""
+        """The rule for every decoding sequence, in running order. One known to be a steady
+        decode (at most lane_cap tokens) goes straight into the decode columns (`plan_lane`);
+        the others go through `_decode` at the same point in the order."""
         keep = decodes.append
         lanes = b.lanes
         add_lane, add_lane_token = lanes.append, b.lane_tokens.append
@@ -95,11 +85,10 @@ class StepRule:
         b.lane_ids = list(map(SEQ_ID, lanes))
 
     def _decode(self, seq: Sequence, b: PlanBuilder, keep) -> bool:
-        """A decoding sequence past its lane_cap (or with no budget left): skipped if it
-        finished or was preempted meanwhile, else its catch-up planned here - with drafts
-        when it speculates. True when the decision is a lane after all, for the caller to
-        encode: a one-token decode whose new block `reserve_slots` gives (not a shared last
-        block, not a short pool) and whose token cannot end it by length."""
+        """A decoding sequence past its lane_cap (or with no budget left), if still running:
+        its catch-up, with drafts when it speculates. True when it is a lane after all, for the
+        caller to encode: a one-token decode whose new block the pool gives and whose token
+        cannot end it by length."""
         if seq.status is not RUNNING:
             return False  # finished or preempted since
         if self.sliding_window:  # its lane_cap ends where its next block slides out
@@ -132,10 +121,9 @@ class StepRule:
         return True
 
     def _schedule_drafts(self, seq: Sequence, b: PlanBuilder) -> bool:
-        """A steady decode of a speculating request: its last token and up to k drafts from
-        its own context, in one forward. False (nothing planned) when nothing recurs, the
-        budget or max_tokens leave no room, or the pool is short for the drafts' slots: it
-        decodes one token as usual, which may preempt; drafts never do."""
+        """A steady decode of a speculating request: its last token and up to k drafts, in one
+        forward. False (nothing planned) when nothing recurs, there is no room, or the pool is
+        short: it decodes one token as usual, which may preempt; drafts never do."""
         tokens, spec = seq.token_ids, self.config.speculative
         n = len(tokens)
         if (seq.num_computed_tokens + 1 != n or seq.needs_full_send
@@ -162,9 +150,8 @@ class StepRule:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _catch_up(self, seq: Sequence, b: PlanBuilder) -> bool:
-        """The rule for a running sequence: plan its computed tokens up to its known ones
-        within the budget, preempting by policy when blocks are short (itself, last). Whether
-        it reaches the end of its tokens (a sequence preempted meanwhile is dropped)."""
+        """The rule for a running sequence, preempting by policy when blocks are short (itself,
+        last). Whether it reaches the end of its tokens."""
         remaining = len(seq.token_ids) - seq.num_computed_tokens
         chunk = self._chunk(remaining, b.budget)
         if chunk and self._reserve_or_preempt(seq, chunk, b):
@@ -178,23 +165,33 @@ class StepRule:
         if seq.status is RUNNING:
             (decodes if caught_up else chunks).append(seq)
 
-    def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
-        q, kv = self.queues, self.kv
+    def _joining(self, b: PlanBuilder, heap: list, status: SequenceStatus,
+                 decodes: list[Sequence], chunks: list[Sequence]):
+        """The heads of a queue, in order, while the sequence cap and the budget allow, and
+        each one's samples fit, no other suspect is on trial (quarantine.py) and its LoRA
+        adapter keeps the step within --max-loras. The caller stops at the first that does
+        not fit now: head-of-line blocking keeps the order fair (no starvation)."""
+        q = self.queues
         loras = StepAdapters(self.config.max_loras, decodes, chunks)
         while b.budget and q.room_for(1):
-            seq = q.head(q.swapped, SWAPPED)
-            if (seq is None or not q.room_for(seq.request.num_seq_slots)
+            seq = q.head(heap, status)
+            if (seq is None or (status is WAITING and seq.preempted_step == b.step_id)
+                    or not q.room_for(seq.request.num_seq_slots)
                     or self.life.quarantine.holds_back(seq.request)
                     or not loras.admits(seq.request)):
-                break  # none left, a parent whose samples fork, another suspect on trial, or
-                # its LoRA adapter would pass --max-loras this step
+                return  # a waiting one pushed out this very step waits for the next
+            yield seq
+            loras.add(seq.request)
+            self.life.quarantine.begin_trial(seq.request)
+
+    def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
+        kv = self.kv
+        for seq in self._joining(b, self.queues.swapped, SWAPPED, decodes, chunks):
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             chunk = self._chunk(remaining, b.budget)
             if not self._can_swap_in(seq, chunk):
                 break
-            q.swap_in_head()
-            loras.add(seq.request)
-            self.life.quarantine.begin_trial(seq.request)
+            self.queues.swap_in_head()
             b.swap_in.extend(kv.swap_in(seq.seq_id, seq.num_computed_tokens))
             seq.table_changed()
             # Fresh slots beyond the swapped-in table come without preempting anyone now: a
@@ -217,21 +214,10 @@ class StepRule:
 
     def _admit_waiting(self, b: PlanBuilder, decodes: list[Sequence],
                        chunks: list[Sequence]) -> None:
-        q = self.queues
-        loras = StepAdapters(self.config.max_loras, decodes, chunks)
-        while b.budget and q.room_for(1):
-            seq = q.head(q.waiting, WAITING)
-            if (seq is None or seq.preempted_step == b.step_id
-                    or not q.room_for(seq.request.num_seq_slots)
-                    or self.life.quarantine.holds_back(seq.request)
-                    or not loras.admits(seq.request)):
-                break  # none left, pushed out this very step, its samples would not fit,
-                # another suspect is on trial, or its LoRA adapter would pass --max-loras
+        for seq in self._joining(b, self.queues.waiting, WAITING, decodes, chunks):
             caught_up = self._admit(seq, b)
             if caught_up is None:
-                break  # head-of-line blocking keeps the order fair (no starvation)
-            loras.add(seq.request)
-            self.life.quarantine.begin_trial(seq.request)
+                break
             self._place(seq, caught_up, decodes, chunks)
 
     def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
@@ -268,8 +254,6 @@ class StepRule:
         self.life.admitted(req)
         self._emit(seq, chunk, b)
         return got + chunk == total
-
-    # ------------------------------------------------------------------ plan entries
 
     def _emit(self, seq: Sequence, num_tokens: int, b: PlanBuilder,
               drafts: list[int] = NO_BLOCKS) -> None:
@@ -317,17 +301,22 @@ class StepRule:
         seq.lanes_until(self.lane_cap(seq) if self.config.decode_lanes else -1)
 
     def lane_cap(self, seq: Sequence) -> int:
-        """lane_cap, and under a sliding window no further than the step (at
-        num_computed_tokens = len(token_ids) - 1) that releases its next block: that one takes
-        the general path, which slides the window first."""
-        if seq.request.speculates:
-            return -1  # its decodes may carry drafts: planned one by one
-        cap = lane_cap(seq, self.block_size)
+        """For a sequence just planned to compute up to the end of its tokens: the largest token
+        count at which its following steps are lanes (-1: none). A lane's slot lies in the
+        blocks the workers hold (not a shared last block), the workers need nothing else about
+        it, and its token leaves it short of max_tokens (so `update` need not check the
+        length). Under a sliding window the step that releases its next block takes the
+        general path, which slides the window first."""
+        n = len(seq.token_ids)
+        if (seq.request.speculates  # its decodes may carry drafts: planned one by one
+                or seq.shared_tail or seq.needs_full_send or seq.num_reserved_tokens != n
+                or seq.num_tokens_sent != n):
+            return -1
+        cap = min(seq.num_blocks_sent * self.block_size,
+                  seq.num_prompt_tokens + seq.request.max_output_tokens - 2)
         if self.sliding_window:
             cap = min(cap, self.kv.window_release_at(seq.seq_id))
         return cap
-
-    # ------------------------------------------------------------------ blocks and preemption
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
         """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
