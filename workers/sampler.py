@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.native_topk import topk_or_torch
 from pagedserve.pipeline.sampling_params import SamplingParams
 from pagedserve.workers.sampling.draw import apply_min_p, sample_full, sample_top_k_top_p, seeded_uniform
 from pagedserve.workers.sampling.penalties import apply_penalties, token_occurrences
@@ -65,7 +66,7 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < num_rows:
-            chosen = logits.argmax(dim=1)
+            chosen = topk_or_torch(logits, 1)[1].squeeze(1)  # argmax, first maximum
         else:
             chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         if random_rows:

@@ -77,8 +77,12 @@ _LORA_ARGS = (P, I64, I64, P, P, P, I64, P, I64, I64, P, I64, I32)
 LORA = Feature("lora", ("lora.c",), {"lora_shrink_f32": (I32, _LORA_ARGS),
                                      "lora_expand_f32": (I32, _LORA_ARGS)})
 
+# The sampler's candidates: each row's k largest values and their indices (topk.c).
+TOPK = Feature("topk", ("topk.c",), {"topk_f32": (I32, (P, I64, I64, I64, I64, P, P, I32)),
+                                     "topk_max_k": (I32, ())})
+
 # Replays a recorded list of the kernels above, called by their addresses (native_replay.py).
 REPLAY = Feature("replay", ("replay.c",), {"replay_ops": (I32, (P, I64, P, P))})
 
 FEATURES: dict[str, Feature] = {feature.name: feature for feature in (
-    DECODE_ATTENTION, LINEAR, LINEAR_Q8, LINEAR_GGUF, ELEMENTWISE, ROPE_STORE, REPLAY, LORA)}
+    DECODE_ATTENTION, LINEAR, LINEAR_Q8, LINEAR_GGUF, ELEMENTWISE, ROPE_STORE, REPLAY, LORA, TOPK)}

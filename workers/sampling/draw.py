@@ -10,13 +10,16 @@ takes ~55 ms. The cumulative sum is fp32, as in `torch.multinomial` on CUDA: a t
 probability is exact to about 1e-7.
 
 top_k / top_p work in a sorted candidate space: `topk(64)`, then `topk(1024)`, and only for the
-rows still undecided a full sort. A row is decided at a width once its top_k fits in it, or (top_p
+rows still undecided a full sort; on CPU the top-k is the native one-pass kernel
+(kernels/native_topk.py: ~0.02 ms a 152K row against torch's ~0.3). A row is decided at a width once its top_k fits in it, or (top_p
 without top_k) once the candidates' true probability mass reaches top_p, so peaked
 distributions never pay for a full sort of the vocabulary. Ties at the cut-off follow sort order.
 """
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels.native_topk import topk_or_torch
 
 _MASK64 = (1 << 64) - 1
 _CANDIDATE_WIDTHS = (64, 1024)
@@ -88,7 +91,7 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         if width == vocab_size:
             values, candidate_ids = rows.sort(dim=1, descending=True)
         else:
-            values, candidate_ids = rows.topk(width, dim=1)
+            values, candidate_ids = topk_or_torch(rows, width)
         if temperature is not None:
             row_temperature = temperature[pending].unsqueeze(1)
             values = values / row_temperature

@@ -50,9 +50,11 @@ def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, output_counts: to
     """
     flat_logits = logits.view(-1)
     rows = slots // logits.shape[1]
-    values = flat_logits[slots]
+    # index_select / index_copy_, not flat_logits[slots]: on CPU advanced indexing of a
+    # [64 x 152K] batch took ~8 ms per direction for 19K slots, these ~0.1 ms
+    values = flat_logits.index_select(0, slots)
     rep = repetition[rows]
     values = torch.where(values > 0, values / rep, values * rep)
     values -= frequency[rows] * output_counts + presence[rows] * (output_counts > 0).float()
-    flat_logits[slots] = values
+    flat_logits.index_copy_(0, slots, values)
     return logits
