@@ -66,8 +66,7 @@ class RequestLifecycle:
             state.speculates = not (p.uses_penalties or p.logprobs is not None
                                     or p.structured_outputs is not None)
         self.requests[state.request_id] = state
-        if not state.stop_ids <= self.stop_id_union:
-            self.stop_id_union |= state.stop_ids
+        self.stop_id_union |= state.stop_ids
         self.num_queued_requests += 1
         self.queues.push_waiting(seq)
 

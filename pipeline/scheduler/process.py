@@ -53,8 +53,7 @@ class SchedulerProcess:
         self.step_timeout = cfg.scheduling.step_timeout
         self.grammars_warmed = False  # see _warm_grammars_when_idle
         self.busy_at = time.monotonic()
-        trace = cfg.env.step_trace
-        self.trace = open(trace, "a", encoding="utf-8") if trace else None
+        self.trace = open(cfg.env.step_trace, "a", encoding="utf-8") if cfg.env.step_trace else None
         self.instance = uuid.uuid4().hex[:12]
         self.epoch = 0
         self.faults = faults
@@ -75,9 +74,7 @@ class SchedulerProcess:
         self.block_tables = None
         self.service: SchedulerService | None = None
         self.loop: StepLoop | None = None  # built with the service
-        # PAGEDSERVE_STEP_TRACE: a step planned ahead starts when rank 0 sent the result before
-        # (it had the plan by then); None: when it was sent.
-        self.trace_since: float | None = None
+        self.trace_since: float | None = None  # step trace: see _on_step_result
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
@@ -282,13 +279,12 @@ class SchedulerProcess:
                     since: float, received: float, updated: float) -> None:
         """One JSON line per step (PAGEDSERVE_STEP_TRACE=<file>): its mix and where its time
         went: schedule, send (until rank 0 has the plan), rank 0's forward and sample, return
-        (result sent until here), update (applied and handed to the detokenizer). A step
-        planned ahead counts from rank 0's sending the result before. Other processes' clock
-        readings are time.monotonic(): one host's clock."""
+        (result sent until here), update. A step planned ahead counts from rank 0's sending the
+        result before. Clock readings are time.monotonic(): one host's clock."""
         decodes = len(plan.decode_seq_ids) + sum(1 for s in plan.scheduled if s.num_tokens == 1)
-        tokens = plan.num_tokens
         line = {"role": "scheduler", "step": plan.step_id, "decode_seqs": decodes,
-                "prefill_tokens": tokens - decodes, "prefill_seqs": plan.num_scheduled - decodes,
+                "prefill_tokens": plan.num_tokens - decodes,
+                "prefill_seqs": plan.num_scheduled - decodes,
                 "ahead": plan.ahead, "schedule_ms": schedule_ms,
                 "round_trip_ms": (received - since) * 1e3,
                 "update_ms": (updated - received) * 1e3,
@@ -297,8 +293,8 @@ class SchedulerProcess:
             line |= {"send_ms": (timings["received"] - since) * 1e3,
                      "return_ms": (received - timings["sent"]) * 1e3,
                      "other_ms": timings["forward_ms"] - timings["matmul_ms"]
-                     - timings["attention_ms"]}
-            line |= {k: v for k, v in timings.items() if k.endswith("_ms")}
+                     - timings["attention_ms"],
+                     **{k: v for k, v in timings.items() if k.endswith("_ms")}}
         self.trace.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in line.items()}) + "\n")
         self.trace.flush()
@@ -339,7 +335,8 @@ class SchedulerProcess:
         if plan is None:
             return
         self._trace_step(plan, msg.timings, schedule_ms, since, received, self.loop.applied_at)
-        # A step planned ahead is in flight now: it started when rank 0 sent this result.
+        # A step planned ahead is in flight now: it started when rank 0 sent this result (it
+        # had the plan by then); None: a step counts from when it is sent.
         self.trace_since = msg.timings.get("sent") if self.inflight is not None else None
 
     def _on_worker_failed(self, msg: messages.WorkerFailed, _peer) -> None:
