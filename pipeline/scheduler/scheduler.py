@@ -270,8 +270,12 @@ class Scheduler:
                                   for seq, _token, row in pending)
         self.generation_tokens += len(outputs.seqs) + sum(len(o.new_token_ids)
                                                           for o in outputs.others)
-        if b.verified:
-            self._count_verified(b.verified)
+        for drafted, accepted in b.verified:
+            self.spec_num_drafts += 1
+            self.spec_draft_tokens += drafted
+            self.spec_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.spec_accepted_per_pos[pos] += 1
         if life.quarantine.on_trial is not None:
             life.quarantine.end_trial(_sampled_in(life.quarantine.on_trial, b))
         # Forked children decode from the next step on, after their parent.
@@ -295,15 +299,6 @@ class Scheduler:
             if self.config.enable_prefix_caching and not n % self.block_size:
                 a.lane_fills.append(seq)
         self.iteration_tokens = len(a.lanes)
-
-    def _count_verified(self, verified: list[tuple[int, int]]) -> None:
-        per_pos = self.spec_accepted_per_pos
-        for drafted, accepted in verified:
-            self.spec_num_drafts += 1
-            self.spec_draft_tokens += drafted
-            self.spec_accepted_tokens += accepted
-            for pos in range(accepted):
-                per_pos[pos] += 1
 
 
 def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:

@@ -51,7 +51,11 @@ class StepRule:
         if q.swapped and not b.swap_out:
             self._swap_in(b, decodes, chunks)
         if q.waiting:
-            self._admit_waiting(b, decodes, chunks)
+            for seq in self._joining(b, q.waiting, WAITING, decodes, chunks):
+                caught_up = self._admit(seq, b)
+                if caught_up is None:
+                    break
+                self._place(seq, caught_up, decodes, chunks)
         q.planned(decodes, chunks)
 
     def _schedule_decodes(self, b: PlanBuilder, decodes: list[Sequence]) -> None:
@@ -211,14 +215,6 @@ class StepRule:
         held = table - kv.num_released_blocks(seq.seq_id)
         more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - table)
         return kv.num_free_blocks - held - more >= self.num_watermark_blocks
-
-    def _admit_waiting(self, b: PlanBuilder, decodes: list[Sequence],
-                       chunks: list[Sequence]) -> None:
-        for seq in self._joining(b, self.queues.waiting, WAITING, decodes, chunks):
-            caught_up = self._admit(seq, b)
-            if caught_up is None:
-                break
-            self._place(seq, caught_up, decodes, chunks)
 
     def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
         """Allocate and schedule a waiting sequence's first chunk. None: it does not fit now;
