@@ -78,7 +78,7 @@ def _check_rows(w: QuantizedWeight) -> None:
 
 
 # The types gguf_pack repacks into panels of 16 rows (kernels/native/gguf_packed.h) in every
-# build with a packed body; Q6_K too where `packs` says so (AVX2 builds)
+# build with a packed body; Q6_K too where `packs` says so (builds with AVX2 + F16C)
 PACKED_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.I4G, QType.Q4_K})
 
 

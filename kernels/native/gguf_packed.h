@@ -223,14 +223,18 @@ DEFINE_PACKED_TYPE(q5_0, T_Q5_0)
 DEFINE_PACKED_TYPE(q8_0, T_Q8_0)
 DEFINE_PACKED_TYPE(i4g, T_I4G)
 
-DEFINE_PACKED_K_ROWS(packed_q4_k_1, 1)
-DEFINE_PACKED_K_ROWS(packed_q4_k_2, 2)
-DEFINE_PACKED_K_ROWS(packed_q4_k_3, 3)
-DEFINE_PACKED_K_ROWS(packed_q4_k_4, 4)
-DEFINE_PACKED_K_ROWS(packed_q4_k_5, 5)
-DEFINE_PACKED_K_ROWS(packed_q4_k_6, 6)
-static const packed_rows_fn packed_q4_k[PACKED_ROWS] = {
-    packed_q4_k_1, packed_q4_k_2, packed_q4_k_3, packed_q4_k_4, packed_q4_k_5, packed_q4_k_6};
+#define DEFINE_PACKED_K_TYPE(T, QTYPE)                                                           \
+    DEFINE_PACKED_K_ROWS(packed_##T##_1, QTYPE, 1)                                               \
+    DEFINE_PACKED_K_ROWS(packed_##T##_2, QTYPE, 2)                                               \
+    DEFINE_PACKED_K_ROWS(packed_##T##_3, QTYPE, 3)                                               \
+    DEFINE_PACKED_K_ROWS(packed_##T##_4, QTYPE, 4)                                               \
+    DEFINE_PACKED_K_ROWS(packed_##T##_5, QTYPE, 5)                                               \
+    DEFINE_PACKED_K_ROWS(packed_##T##_6, QTYPE, 6)                                               \
+    static const packed_rows_fn packed_##T[PACKED_ROWS] = {                                      \
+        packed_##T##_1, packed_##T##_2, packed_##T##_3, packed_##T##_4, packed_##T##_5,          \
+        packed_##T##_6};
+DEFINE_PACKED_K_TYPE(q4_k, T_Q4_K)
+DEFINE_PACKED_K_TYPE(q6_k, T_Q6_K)
 
 #elif defined(__AVX2__) && defined(__F16C__)
 #define PACKED_SUPPORTED 1

@@ -2,9 +2,8 @@
  * bytes: nibbles 32 x 64 bytes (chunk j: quads 2j low, 2j + 1 high, as the 32-element types),
  * 8 x 16 sub-block scales, 8 x 16 mins (the 6-bit values as bytes: the raw 12-byte field is
  * encoded back from them on the way back to raw), 16 fp16 d, 16 fp16 dmin. The integer sums and terms are
- * gguf_wide512.h's k-quant body, lane by lane: the same bits. (Q6_K stays raw: packed the same
- * way, its 6-bit unpacking made Qwen2.5-1.5B's decode linears slower, 189 -> 258 ms a token on
- * one thread, than its in-register row path.) Included by gguf_packed.h. */
+ * gguf_wide512.h's k-quant body, lane by lane: the same bits. Q6_K's panels below hold its high
+ * bits beside the nibbles. Included by gguf_packed.h. */
 #ifndef PAGEDSERVE_GGUF_PACKED_K_H
 #define PAGEDSERVE_GGUF_PACKED_K_H
 
@@ -46,11 +45,12 @@ static void unpack_k_block(const uint8_t *blk, int c, uint8_t *out) {
         }
 }
 
-/* Q6_K's panels, AVX2 builds only (on AVX-512 its in-register row path was the faster): block b
+/* Q6_K's panels (AVX2 and AVX-512 builds: on one thread at one row the raw row path read Q6_K at
+ * 7-14 GB/s on the AVX-512 EPYC, these panels at ~20, and 1.5-3x more at 4-16 rows): block b
  * of a panel, 3360 bytes (16 x 210, the raw bytes rearranged): the low 4 bits as Q4_K's nibbles
  * (32 x 64 bytes), the high 2 bits of each group of 16 elements' 4 quads in 64 bytes (byte 4c + e:
  * quad 4g + k's element e of column c at bits 2k), the 16 group scales as int8 [g][c], 16 fp16 d. */
-#if defined(__AVX2__) && defined(__F16C__) && !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#if defined(__AVX2__) && defined(__F16C__)
 #define PACKED_Q6K 1
 #else
 #define PACKED_Q6K 0
@@ -94,23 +94,48 @@ static void unpack_q6k_block(const uint8_t *blk, int c, uint8_t *out) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* group g's scales as int16 pairs (lanes 2c, 2c + 1: column c's) and its mins as int32 */
-static inline void packed_k_group(const uint8_t *blk, int g, __m512i *sc, __m512i *mc) {
+/* group g's (16 elements) scales as int16 pairs (lanes 2c, 2c + 1: column c's) and its mins as
+ * int32; Q6_K's signed scales are its mins too (its w = d sc (u - 32), dm = 32 d) */
+static inline void packed_k_group(int qtype, const uint8_t *blk, int g, __m512i *sc,
+                                  __m512i *mc) {
+    if (qtype == T_Q6_K) {
+        *mc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q6K_SC + 16 * g)));
+        *sc = _mm512_or_si512(_mm512_slli_epi32(*mc, 16),
+                              _mm512_and_si512(*mc, _mm512_set1_epi32(0xffff)));
+        return;
+    }
     const __m512i t = _mm512_cvtepu8_epi32(
         _mm_loadu_si128((const __m128i *)(blk + Q4K_SC + 16 * (g / 2))));
     *mc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q4K_MIN + 16 * (g / 2))));
     *sc = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
 }
 
-static inline __m512i packed_k_quad(const uint8_t *blk, int q) {
+/* quad q's 64 bytes (u: Q4_K's nibbles; Q6_K's with their high 2 bits) of the 16 columns */
+static inline __m512i packed_k_quad(int qtype, const uint8_t *blk, int q) {
     const __m512i v = _mm512_loadu_si512(blk + 64 * (q / 2)), low4 = _mm512_set1_epi8(0x0f);
-    return q % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
+    const __m512i lo = q % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)
+                             : _mm512_and_si512(v, low4);
+    if (qtype != T_Q6_K) return lo;
+    const __m512i hb = _mm512_loadu_si512(blk + Q6K_HI + 64 * (q / 4));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(
+        _mm512_and_si512(_mm512_srli_epi16(hb, 2 * (q % 4)), _mm512_set1_epi8(3)), 4));
 }
 
-#define DEFINE_PACKED_K_ROWS(NAME, ROWS)                                                         \
+/* d and dm of the 16 columns, as the unpack_* functions derive them */
+static inline void packed_k_scales(int qtype, const uint8_t *blk, __m512 *d, __m512 *dm) {
+    if (qtype == T_Q6_K) {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q6K_D)));
+        *dm = _mm512_mul_ps(_mm512_set1_ps(32.0f), *d);
+        return;
+    }
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_D)));
+    *dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_DMIN)));
+}
+
+#define DEFINE_PACKED_K_ROWS(NAME, QTYPE, ROWS)                                                  \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
-    const int64_t blocks = K / 256, bytes = packed_block_bytes(T_Q4_K);                          \
+    const int64_t blocks = K / 256, bytes = packed_block_bytes(QTYPE);                           \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
@@ -120,9 +145,9 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         for (int g = 0; g < 16; g++) {                                                           \
             __m512i sc, mc;                                                                      \
             if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64);        \
-            packed_k_group(blk, g, &sc, &mc);                                                    \
+            packed_k_group(QTYPE, blk, g, &sc, &mc);                                             \
             for (int q = 4 * g; q < 4 * g + 4; q++) {                                            \
-                const __m512i wv = packed_k_quad(blk, q);                                        \
+                const __m512i wv = packed_k_quad(QTYPE, blk, q);                                 \
                 for (int r = 0; r < ROWS; r++)                                                   \
                     i1[r] = _mm512_add_epi32(i1[r], _mm512_madd_epi16(                           \
                         _mm512_maddubs_epi16(wv, quad512_of(xq + r * K + 256 * b + 4 * q)), sc)); \
@@ -131,8 +156,8 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
                 i2[r] = _mm512_add_epi32(i2[r], _mm512_mullo_epi32(                              \
                     mc, _mm512_set1_epi32(xs[r * (K / 16) + 16 * b + g])));                      \
         }                                                                                        \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_D)));   \
-        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_DMIN))); \
+        __m512 d, dm;                                                                            \
+        packed_k_scales(QTYPE, blk, &d, &dm);                                                    \
         for (int r = 0; r < ROWS; r++) {                                                         \
             const __m512 dav = _mm512_set1_ps(xd[r * blocks + b]);                               \
             const __m512 s1 = _mm512_mul_ps(d, dav), s2 = _mm512_mul_ps(dm, dav);                \

@@ -181,7 +181,7 @@ def test_gguf_py_quantized_weights_multiply_like_their_dequantization():
         assert rel < 0.01, (qtype.name, float(rel))
 
 
-PACKED = sorted(gl.PACKED_TYPES | {QType.Q6_K})   # Q6_K where a variant packs it (AVX2)
+PACKED = sorted(gl.PACKED_TYPES | {QType.Q6_K})   # Q6_K where a variant packs it (AVX2, AVX-512)
 needs_packing = pytest.mark.skipif(not gl.packing_supported(),
                                    reason="this build has no packed-panel body (AVX-512 VNNI "
                                           "or AVX2 + F16C)")
