@@ -14,7 +14,8 @@ of `--context` tokens, as scripts/bench_step.py sets them):
 - `parts_ms`: the same step run eagerly with timing hooks on every module (hooks cost a few
   microseconds each, so parts add up to a little more than an untraced eager step, `eager_ms`).
 `floor_ms`: the weight bytes one decode step reads (the linears as stored and the LM head) over
-this host's copy bandwidth (a 1 GiB copy, `--copy-mib`) - the least a one-stream step can take.
+this host's streaming read bandwidth (a sum over 1 GiB on the step's threads, `--copy-mib`) - the
+least a one-stream step can take; `copy_gb_s` (read + write of a 1 GiB copy) beside it.
 The last line is one JSON object, stored under benchmarks/results/profile_step/.
 """
 from __future__ import annotations
@@ -117,6 +118,15 @@ def weight_bytes(runner: ModelRunner) -> int:
                for m in runner.model.modules() if isinstance(m, PackableLinear))
 
 
+def read_gb_s(mib: int) -> float:
+    """This host's streaming read bandwidth over `mib` MiB (a sum on torch's threads, the
+    threads the step runs on): what one decode step's weights are read at, at best."""
+    src = torch.empty(mib << 18, dtype=torch.float32)
+    src.fill_(1.0)
+    seconds = timed(lambda: src.sum(), repeats=5)
+    return src.nbytes / seconds / 1e9
+
+
 def copy_gb_s(mib: int) -> float:
     """This host's copy bandwidth (read + write) over `mib` MiB, well past its caches."""
     src = torch.empty(mib << 18, dtype=torch.float32)
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--copy-mib", type=int, default=1024,
-                        help="the buffer the copy bandwidth (floor_ms) is measured over")
+                        help="the buffer the read (floor_ms) and copy bandwidths are measured over")
     bench_record.add_no_store_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
@@ -200,12 +210,13 @@ def main(argv: list[str] | None = None) -> dict:
                          quantization=args.quantization)
     for layer in runner.kv_cache:   # random K/V: attention's cost does not depend on them
         layer.copy_(to_storage(torch.randn(layer.shape), layer.dtype))
-    bandwidth = copy_gb_s(args.copy_mib)
+    bandwidth = read_gb_s(args.copy_mib)
     weights = weight_bytes(runner)
     report = {"model": args.model, "dtype": args.dtype, "quantization": runner.quantization,
               "context": args.context, "threads": torch.get_num_threads(),
               "native_variant": native.variant(), **cpu_info(),
-              "copy_gb_s": round(bandwidth, 1), "weight_mb": round(weights / 2**20, 1),
+              "read_gb_s": round(bandwidth, 1), "copy_gb_s": round(copy_gb_s(args.copy_mib), 1),
+              "weight_mb": round(weights / 2**20, 1),
               "floor_ms": float(f"{weights / (bandwidth * 1e9) * 1e3:.4g}")}   # tiny models too
     for batch in batches:
         repeats = max(3, int(30 / batch ** 0.5))
