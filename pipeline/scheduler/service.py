@@ -185,11 +185,10 @@ class SchedulerService:
                           msg.pooling, msg.lora)
         try:
             self.scheduler.add(request)
-        except QueueFull as exc:
-            self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 503, exc.reason))
-            return
-        except RequestRejected as exc:
-            self.send_to_client(client_id, messages.RequestRejected(msg.request_id, 400, exc.reason))
+        except RequestRejected as exc:  # a full queue (QueueFull) is 503: retry later
+            status = 503 if isinstance(exc, QueueFull) else 400
+            self.send_to_client(client_id, messages.RequestRejected(msg.request_id, status,
+                                                                    exc.reason))
             return
         if msg.sampling.structured_outputs is not None:
             spec = msg.sampling.structured_outputs
