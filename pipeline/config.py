@@ -193,7 +193,7 @@ class SchedulingArgs:
     # Wall time one grammar compile may take (its process is killed past it, the request 400s).
     grammar_compile_timeout: float = 30.0
     # Plan a step of steady decodes while the workers compute the one before (one rank only:
-    # pipeline/scheduler/lookahead.py).
+    # Scheduler.schedule_ahead).
     async_scheduling: bool = True
     # --speculative-config as a dict (pipeline/scheduler/speculative.py); None: off.
     speculative_config: dict | None = None

@@ -3,7 +3,7 @@
 recently used slot reused), and each step's rows mapped to their slots.
 
 Slots are this rank's own business: the scheduler only guarantees that no step uses more
-adapters than there are slots (pipeline/scheduler/lora_slots.py), and every NewSeq names its
+adapters than there are slots (StepAdapters in pipeline/scheduler/step_rule.py), and every NewSeq names its
 adapter, so a restarted worker loads again whatever its sequences use.
 """
 from __future__ import annotations
