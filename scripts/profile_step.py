@@ -8,7 +8,7 @@ residuals, Python), and sampling; for decode steps at each batch size and for on
 Two timings per shape, with the same runner and cache (random K/V, every sequence its own blocks
 of `--context` tokens, as scripts/bench_step.py sets them):
 - `step_ms`: the runner's whole `execute` as a serving worker runs it (decode steps of up to
-  32 rows replay their recorded native kernel calls, workers/cpu_decode_replay.py), plus
+  64 rows replay their recorded native kernel calls, workers/cpu_decode_replay.py), plus
   `sample_ms`, the worker's sampler over the step's logits (greedy and top-p rows alternating).
 - `replay_ms`: for a replayed step, its native calls by kind and what runs outside them.
 - `parts_ms`: the same step run eagerly with timing hooks on every module (hooks cost a few

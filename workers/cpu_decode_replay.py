@@ -40,7 +40,7 @@ from pagedserve.workers.models.decoder import DecoderLayer
 from pagedserve.workers.models.layers import (PackableLinear, RMSNorm, native_cpu_elementwise,
                                               silu_and_mul)
 
-MAX_ROWS = 32       # steps of up to this many token rows replay
+MAX_ROWS = 64       # steps of up to this many token rows replay
 _ROPE_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KINDS = (replay.GGUF_LINEAR, replay.GGUF_PACKED, replay.LINEAR_F32, replay.LINEAR_Q8)
 _ATTENTION_KINDS = (replay.ROPE_STORE, replay.DECODE)
