@@ -7,6 +7,8 @@ Equal values come lower index first (k = 1 is `argmax`'s first maximum); NaN ran
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import native
@@ -14,9 +16,15 @@ from . import native
 FEATURE = "topk"
 
 
+@functools.cache
+def _limit(lib) -> int:
+    return lib.topk_max_k()
+
+
 def _max_k() -> int:
+    """The kernel's largest k (asked once per loaded library: the sampler calls this per step)."""
     lib = native.library(FEATURE)
-    return 0 if lib is None else lib.topk_max_k()
+    return 0 if lib is None else _limit(lib)
 
 
 def supports(x: torch.Tensor, k: int) -> bool:
@@ -34,6 +42,10 @@ def topk(x: torch.Tensor, k: int, threads: int | None = None
                          f"and 1 <= k <= min(columns, {_max_k()}) with the library loaded "
                          f"({native.unavailable_reason(FEATURE) or 'it loads'}), got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()} on {x.device}, k={k}")
+    return _run(x, k, threads)
+
+
+def _run(x: torch.Tensor, k: int, threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
     values = torch.empty(rows, k, dtype=torch.float32)
     ids = torch.empty(rows, k, dtype=torch.int64)
@@ -51,7 +63,7 @@ def topk_or_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk` where the kernel takes `x`, else torch's: `argmax` for k = 1 (the first maximum,
     as the kernel's), torch.topk otherwise (the same order but for ties and NaN)."""
     if supports(x, k):
-        return topk(x, k)
+        return _run(x, k, None)
     if k == 1:
         ids = x.argmax(dim=1, keepdim=True)
         return x.gather(1, ids), ids

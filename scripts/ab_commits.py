@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from compare_llama_server import (FIGURES, ROOT, Server, log, median,  # noqa: E402
-                                  run_bench_serving)
+from compare_llama_server import (FIGURES, ROOT, Server, bench_arguments, log,  # noqa: E402
+                                  median, run_bench_serving)
 from pagedserve.workers.builtin_models import DEFAULT_MODEL  # noqa: E402
 
 PACKAGES = ("kernels", "kvmanager", "pipeline", "workers")
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--single-stream", action="store_true",
                    help="one request at a time: --max-concurrency 1 --num-prompts 6")
-    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--num-prompts", type=int, help="default 64 (6 single-stream)")
+    p.add_argument("--max-concurrency", type=int, help="default 64 (1 single-stream)")
     p.add_argument("--max-output-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -85,17 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--workdir", type=Path,
                    default=Path(tempfile.gettempdir()) / "pagedserve-ab-commits")
+    # what compare_llama_server's bench_arguments reads besides: the same workload as there
+    p.set_defaults(request_rate="inf", gguf=None)
     bench_record.add_no_store_flag(p)
     return p
-
-
-def bench_arguments(args: argparse.Namespace) -> list[str]:
-    prompts = args.num_prompts or (6 if args.single_stream else 64)
-    concurrency = 1 if args.single_stream else prompts
-    return ["--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-            "--max-output-tokens", str(args.max_output_tokens), "--max-prompt-tokens",
-            str(args.max_prompt_tokens), "--request-rate", "inf", "--seed", str(args.seed),
-            "--tokenizer", "SmolLM2-135M-Instruct"]
 
 
 def main(argv: list[str] | None = None) -> dict:

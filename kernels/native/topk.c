@@ -115,7 +115,7 @@ int topk_f32(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t k, fl
              int64_t *ids, int num_threads) {
     if (rows < 0 || n < 1 || k < 1 || k > n || k > TOPK_MAX || ldx < n) return -1;
     topk_job job = {x, ldx, n, k, values, ids};
-    pa_run_tasks(rows > 1 && num_threads > 1 ? num_threads : 1, topk_task, &job, rows);
+    pa_run_tasks(num_threads, topk_task, &job, rows);   /* serial for one row */
     return 0;
 }
 
