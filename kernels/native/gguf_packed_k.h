@@ -94,20 +94,17 @@ static void unpack_q6k_block(const uint8_t *blk, int c, uint8_t *out) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* group g's (16 elements) scales as int16 pairs (lanes 2c, 2c + 1: column c's) and its mins as
- * int32; Q6_K's signed scales are its mins too (its w = d sc (u - 32), dm = 32 d) */
+/* The columns' scale and min of group g (16 elements) as int32: Q4_K's cover a sub-block of 32
+ * (groups 2j and 2j + 1); Q6_K's signed scales are its mins too (its w = d sc (u - 32),
+ * dm = 32 d) */
 static inline void packed_k_group(int qtype, const uint8_t *blk, int g, __m512i *sc,
                                   __m512i *mc) {
     if (qtype == T_Q6_K) {
-        *mc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q6K_SC + 16 * g)));
-        *sc = _mm512_or_si512(_mm512_slli_epi32(*mc, 16),
-                              _mm512_and_si512(*mc, _mm512_set1_epi32(0xffff)));
+        *sc = *mc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q6K_SC + 16 * g)));
         return;
     }
-    const __m512i t = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)(blk + Q4K_SC + 16 * (g / 2))));
+    *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q4K_SC + 16 * (g / 2))));
     *mc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + Q4K_MIN + 16 * (g / 2))));
-    *sc = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
 }
 
 /* quad q's 64 bytes (u: Q4_K's nibbles; Q6_K's with their high 2 bits) of the 16 columns */
@@ -132,29 +129,37 @@ static inline void packed_k_scales(int qtype, const uint8_t *blk, __m512 *d, __m
     *dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + Q4K_DMIN)));
 }
 
+/* A scale's span of groups (SPAN: 2 for Q4_K, 1 for Q6_K) is summed by vpdpbusd (weights
+ * unsigned, x signed, exact in int32) and then multiplied by its scale: one multiply-add per
+ * quad where vpmaddubsw + vpmaddwd took two (the same integers, so the same bits). */
 #define DEFINE_PACKED_K_ROWS(NAME, QTYPE, ROWS)                                                  \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
     const int64_t blocks = K / 256, bytes = packed_block_bytes(QTYPE);                           \
+    const int SPAN = QTYPE == T_Q6_K ? 1 : 2;                                                    \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
         const uint8_t *blk = panel + b * bytes;                                                  \
         __m512i i1[ROWS], i2[ROWS];                                                              \
         for (int r = 0; r < ROWS; r++) i1[r] = i2[r] = _mm512_setzero_si512();                   \
-        for (int g = 0; g < 16; g++) {                                                           \
-            __m512i sc, mc;                                                                      \
-            if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64);        \
+        for (int g = 0; g < 16; g += SPAN) {                                                     \
+            __m512i sc, mc, t[ROWS];                                                             \
+            for (int h = g; ahead && h < g + SPAN; h++)                                          \
+                prefetch_bytes(blk + 2 * bytes + bytes / 16 * h, bytes / 16 + 64);              \
             packed_k_group(QTYPE, blk, g, &sc, &mc);                                             \
-            for (int q = 4 * g; q < 4 * g + 4; q++) {                                            \
+            for (int r = 0; r < ROWS; r++) t[r] = _mm512_setzero_si512();                        \
+            for (int q = 4 * g; q < 4 * (g + SPAN); q++) {                                       \
                 const __m512i wv = packed_k_quad(QTYPE, blk, q);                                 \
                 for (int r = 0; r < ROWS; r++)                                                   \
-                    i1[r] = _mm512_add_epi32(i1[r], _mm512_madd_epi16(                           \
-                        _mm512_maddubs_epi16(wv, quad512_of(xq + r * K + 256 * b + 4 * q)), sc)); \
+                    t[r] = _mm512_dpbusd_epi32(t[r], wv, quad512_of(xq + r * K + 256 * b + 4 * q)); \
             }                                                                                    \
-            for (int r = 0; r < ROWS; r++)                                                       \
-                i2[r] = _mm512_add_epi32(i2[r], _mm512_mullo_epi32(                              \
-                    mc, _mm512_set1_epi32(xs[r * (K / 16) + 16 * b + g])));                      \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const int16_t *s = xs + r * (K / 16) + 16 * b + g;                               \
+                const int32_t xsum = SPAN == 2 ? (int32_t)s[0] + s[1] : s[0];                    \
+                i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(t[r], sc));                   \
+                i2[r] = _mm512_add_epi32(i2[r], _mm512_mullo_epi32(mc, _mm512_set1_epi32(xsum))); \
+            }                                                                                    \
         }                                                                                        \
         __m512 d, dm;                                                                            \
         packed_k_scales(QTYPE, blk, &d, &dm);                                                    \
