@@ -156,9 +156,11 @@ static inline void packed_scales(int qtype, const uint8_t *s, __m512 *d, __m512 
     }
 }
 
-/* quad q's 64 bytes (16 columns x 4 elements) of a packed block */
+/* quad q's 64 bytes (16 columns x 4 elements) of a packed block, unsigned: Q8_0's w + 128 (its
+ * sums are corrected by 128 times x's block sum, so that each row's product is one vpdpbusd) */
 static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
-    if (qtype == T_Q8_0) return _mm512_loadu_si512(blk + 64 * q);
+    if (qtype == T_Q8_0)
+        return _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * q), _mm512_set1_epi8((char)0x80));
     const __m512i v = _mm512_loadu_si512(blk + 64 * (q / 2)), low4 = _mm512_set1_epi8(0x0f);
     __m512i u = q % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
     if (qtype == T_Q5_0) {
@@ -183,11 +185,12 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         for (int r = 0; r < ROWS; r++) i1[r] = _mm512_setzero_si512();                           \
         for (int q = 0; q < 8; q++) {                                                            \
             const __m512i wv = packed_quad(QTYPE, blk, q);                                       \
-            for (int r = 0; r < ROWS; r++) {                                                     \
-                const __m512i xv = quad512_of(xq + r * K + 32 * b + 4 * q);                      \
-                i1[r] = QTYPE == T_Q8_0 ? signed_dot512(i1[r], wv, xv)                           \
-                                        : _mm512_dpbusd_epi32(i1[r], wv, xv);                    \
-            }                                                                                    \
+            for (int r = 0; r < ROWS; r++)                                                       \
+                i1[r] = _mm512_dpbusd_epi32(i1[r], wv, quad512_of(xq + r * K + 32 * b + 4 * q)); \
+        }                                                                                        \
+        for (int r = 0; QTYPE == T_Q8_0 && r < ROWS; r++) {                                      \
+            const int16_t *s = xs + r * (K / 16) + 2 * b;                                        \
+            i1[r] = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(128 * ((int32_t)s[0] + s[1])));    \
         }                                                                                        \
         __m512 d, dm;                                                                            \
         packed_scales(QTYPE, blk + packed_scales_at(QTYPE), &d, &dm);                            \
