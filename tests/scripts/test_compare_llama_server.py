@@ -150,3 +150,17 @@ def test_an_avx2_build_is_cached_apart_and_ours_runs_its_avx2_kernels(tmp_path, 
     args = compare.build_parser().parse_args(["--isa", "avx2"])
     llama, ours = compare.servers(args, Path("/bin/llama-server"), Path("m.gguf"), tmp_path)
     assert ours.env == {"PAGEDSERVE_NATIVE_VARIANT": "avx2"} and llama.env == {}
+
+
+def test_bench_large_gguf_builds_both_commands_through_compare(tmp_path):
+    """bench_large_gguf reuses compare's server commands for one stream: every field compare
+    reads must be there (a missing one broke the script), and --isa avx2 reaches ours."""
+    import bench_large_gguf as large
+    for isa, env in (("native", {}), ("avx2", {"PAGEDSERVE_NATIVE_VARIANT": "avx2"})):
+        a = large.build_parser().parse_args(["Qwen2.5-Coder-1.5B-Instruct", "--isa", isa])
+        servers = large.make_servers(a, Path("/bin/llama-server"), "Qwen2.5-Coder-1.5B-Instruct",
+                                     Path("/q.gguf"), tmp_path)
+        llama, ours = servers["llama"], servers["ours"]
+        assert llama.cmd[:6] == ["/bin/llama-server", "-m", "/q.gguf", "-np", "1", "-c"]
+        assert ours.cmd[ours.cmd.index("--max-num-seqs") + 1] == "1"
+        assert ours.env == env
