@@ -50,8 +50,7 @@ class PlanBuilder:
                  drafts: list[int] = NO_BLOCKS) -> None:
         """`seq` computes `num_tokens` (and `drafts`) from state sent in full."""
         self.new_seqs.append(new)
-        self.add_scheduled(seq, ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, [], drafts)
-                           if drafts else ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, []))
+        self.add_scheduled(seq, ScheduledSeq(new.seq_id, num_tokens, NO_BLOCKS, [], drafts))
 
     def add_scheduled(self, seq: Sequence, entry: ScheduledSeq) -> None:
         self.scheduled.append(entry)

@@ -1,7 +1,7 @@
 """Preemption: which running sequence to push out, and whether to swap or recompute it.
 
 The victim is the running sequence with the largest policy key not yet planned this step
-(`pick_victim`); the Scheduler moves it out (`RequestLifecycle.preempt`).
+(`SequenceQueues.victim`); `RequestLifecycle.preempt` moves it out.
 
 Swap or recompute, by a cost model (seconds to get a preempted sequence of T tokens back):
 
@@ -21,9 +21,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
-
-RUNNING = SequenceStatus.RUNNING
 SWAP = "swap"
 RECOMPUTE = "recompute"
 
@@ -58,11 +55,9 @@ DEFAULT_SWAP_THRESHOLD_TOKENS = PreemptionCostModel().swap_threshold_tokens()
 
 
 class PreemptionChooser:
-    """Picks swap or recompute for one victim under --preemption-mode swap|recompute|auto."""
+    """Swap or recompute for one victim under --preemption-mode (SchedulerConfig checks it)."""
 
     def __init__(self, mode: str, swap_threshold_tokens: int | None = None) -> None:
-        if mode not in (SWAP, RECOMPUTE, "auto"):
-            raise ValueError(f"preemption_mode must be swap, recompute or auto, got {mode!r}")
         self.mode = mode
         self.swap_threshold_tokens = (DEFAULT_SWAP_THRESHOLD_TOKENS if swap_threshold_tokens is None
                                       else swap_threshold_tokens)
@@ -75,15 +70,3 @@ class PreemptionChooser:
             return SWAP
         return SWAP if num_tokens >= self.swap_threshold_tokens else RECOMPUTE
 
-
-def pick_victim(candidates, key, step_id: int) -> Sequence | None:
-    """Among running sequences (an iterable of lists), the one not yet planned this step with
-    the largest policy key: the latest admitted under the policy goes first."""
-    best, best_key = None, None
-    for seqs in candidates:
-        for seq in seqs:
-            if seq.status is RUNNING and seq.last_step != step_id:
-                k = key(seq)
-                if best_key is None or k > best_key:
-                    best, best_key = seq, k
-    return best

@@ -1,11 +1,6 @@
-"""Poison-request quarantine: which requests a crash of the worker group is held against.
-
-Every request in a step that crashed the workers (a rank raised or died by itself, not killed
-from outside) becomes a suspect until it samples again. One suspect at a time joins a step (the
-one "on trial"), so a second crash names the request that caused it; a request in MAX_CRASHES
-such steps in a row is failed alone (by the Scheduler), so the others can complete.
-RequestState.crashes counts each request's crashes.
-"""
+"""Poison-request quarantine (docs/ARCHITECTURE.md, "Poison requests"): every request of a step
+that crashed the workers is a suspect until it samples again; one suspect at a time (the one "on
+trial") joins a step, and one in MAX_CRASHES such steps in a row is failed alone."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -49,11 +44,15 @@ class Quarantine:
         if self.suspects and req.request_id in self.suspects:
             self.on_trial = req
 
-    def end_trial(self, sampled: bool) -> None:
-        """After a step that did not crash: the suspect on trial is cleared once it sampled."""
+    def end_trial(self, step_id: int) -> None:
+        """After step `step_id`, which did not crash: the suspect on trial is cleared once one of
+        its sequences sampled in it (caught up: a long recompute takes several steps)."""
         req = self.on_trial
-        if req is None or not sampled:
-            return  # no trial, or still catching up (a long recompute takes several steps)
+        if req is None or not any(
+                seq.last_step == step_id and (len(seq.token_ids) == seq.num_computed_tokens + 1
+                                              or seq.embedding is not None)
+                for seq in req.seqs):
+            return
         req.crashes = 0
         self.suspects.pop(req.request_id, None)
         self.on_trial = None

@@ -21,25 +21,20 @@ SWAPPED = SequenceStatus.SWAPPED
 
 
 class FCFSPolicy:
-    """Oldest request first; priorities are ignored and nobody is pushed out for a newcomer."""
+    """Oldest request first; priorities are ignored and nobody is pushed out for a newcomer (so
+    the scheduler never asks it `may_preempt`)."""
 
-    name = "fcfs"
-    preempts_for_waiting = False  # lets the scheduler skip the check entirely
+    preempts_for_waiting = False
 
     @staticmethod
     def key(seq: Sequence) -> tuple:
         return (seq.request.arrival_time, seq.seq_id)
-
-    @staticmethod
-    def may_preempt(waiting: Sequence, running: Sequence) -> bool:
-        return False
 
 
 class PriorityPolicy:
     """Lower `priority` value first, then oldest; a waiting request may preempt a running one of
     strictly lower priority (higher value) when blocks are short."""
 
-    name = "priority"
     preempts_for_waiting = True
 
     @staticmethod
@@ -51,13 +46,7 @@ class PriorityPolicy:
         return waiting.request.priority < running.request.priority
 
 
-POLICIES = {FCFSPolicy.name: FCFSPolicy, PriorityPolicy.name: PriorityPolicy}
-
-
-def make_policy(name: str):
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
-    return POLICIES[name]()
+POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}  # SchedulerConfig checks the name
 
 
 class SequenceQueues:
@@ -86,6 +75,13 @@ class SequenceQueues:
         old, self.running, self.prefilling = self.running, running, prefilling
         old.clear()
         self._spare = old
+
+    def victim(self, step_id: int) -> Sequence | None:
+        """The sequence to preempt: of the running ones not yet planned in step `step_id`, the
+        one with the largest policy key (the latest admitted under the policy goes first)."""
+        return max((seq for group in (self.running, self.prefilling) for seq in group
+                    if seq.status is RUNNING and seq.last_step != step_id),
+                   key=self.key, default=None)
 
     def head(self, heap: list[tuple[tuple, Sequence]], status: SequenceStatus
              ) -> Sequence | None:

@@ -1,14 +1,10 @@
 """The scheduler: which sequences compute how many tokens each step. No I/O, no clock.
 
 One cycle is ``plan = schedule(now)`` -> workers execute it -> ``update(plan, result, now)``.
-The Scheduler composes the owners of its state and drives them:
-  - `SequenceQueues` (queues.py): where each live sequence waits or runs, and the counts;
-  - `RequestLifecycle` (lifecycle.py): the requests and their sequences, from `add` to finish;
-  - `StepRule` (step_rule.py): the one rule that decides what each sequence computes;
-  - the KV manager (kvmanager/): blocks, the prefix cache, swap.
-It holds the step in flight and the one planned ahead (`schedule_ahead`: why that is safe is
-docs/ARCHITECTURE.md's "Overlapped scheduling"), applies results (`update`: results.py reads
-them back, the lifecycle applies the stop rules) and recovers from a lost device pool.
+The Scheduler composes the owners of its state - `SequenceQueues` (queues.py), `RequestLifecycle`
+(lifecycle.py), `StepRule` (step_rule.py: what each sequence computes) and the KV manager - and
+holds the step in flight and the one planned ahead (`schedule_ahead`: why that is safe is
+docs/ARCHITECTURE.md's "Overlapped scheduling").
 """
 from __future__ import annotations
 
@@ -18,15 +14,13 @@ from pagedserve.pipeline.messages import SharedTables, StepPlan, StepResult, Tie
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
-from pagedserve.pipeline.scheduler.queues import SequenceQueues, make_policy
+from pagedserve.pipeline.scheduler.queues import POLICIES, SequenceQueues
 from pagedserve.pipeline.scheduler.results import advance
 from pagedserve.pipeline.scheduler.sequence import (STATUS_FOR_REASON, Request, RequestState,
                                                     Sequence, SequenceStatus)
 from pagedserve.pipeline.scheduler.step_rule import StepRule
 from pagedserve.pipeline.scheduler.step_outputs import (Recovery, SchedulerStats, SequenceOutput,
                                                         StepOutputs)
-
-__all__ = ["Recovery", "Scheduler", "SchedulerStats"]
 
 SEQ_ID = attrgetter("seq_id")
 RUNNING = SequenceStatus.RUNNING
@@ -42,7 +36,7 @@ class Scheduler:
                                  f"{getattr(kv_cache, name, 0)}")
         self.config = config
         self.kv = kv_cache
-        self.policy = make_policy(config.policy)
+        self.policy = POLICIES[config.policy]()
         self.block_size = config.block_size
         # Every layer attends only this many positions back: blocks that slid out of it are
         # released before each step that no longer reads them (kvmanager/window.py).
@@ -131,14 +125,10 @@ class Scheduler:
 
     def reset_device_state(self, cause: str = "", attributable: bool = False) -> Recovery:
         """The workers lost their KV cache (a rank died, hung or raised): forget the device
-        pool and queue the sequences that lived there for recompute.
-
-        The host swap pool lives in shared memory and survives the workers: sequences swapped
-        out by completed steps stay swapped; those swapped out by the lost step (its copies may
-        never have happened) are recomputed, as is every sequence that was on the device.
-        `attributable`: the loss may have been caused by what the step computed; its requests
-        become suspects, and one at MAX_CRASHES (quarantine.py) is failed alone.
-        """
+        pool and queue for recompute what lived there and what the lost step swapped out (its
+        copies may never have happened); the host pool survives, so earlier swap-outs stay.
+        `attributable`: the step may have caused the loss: its requests become suspects, and
+        one at MAX_CRASHES (quarantine.py) is failed alone."""
         kv, lost, life = self.kv, self._inflight, self.life
         unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
         dropped = set(kv.drop_device_pool(unreliable))
@@ -276,8 +266,7 @@ class Scheduler:
             self.spec_accepted_tokens += accepted
             for pos in range(accepted):
                 self.spec_accepted_per_pos[pos] += 1
-        if life.quarantine.on_trial is not None:
-            life.quarantine.end_trial(_sampled_in(life.quarantine.on_trial, b))
+        life.quarantine.end_trial(b.step_id)
         # Forked children decode from the next step on, after their parent.
         self.queues.running.extend(c for c in b.fork_children if c.status is RUNNING)
         if self._ahead is not None:  # the step planned ahead is in flight from now on
@@ -299,13 +288,6 @@ class Scheduler:
             if self.config.enable_prefix_caching and not n % self.block_size:
                 a.lane_fills.append(seq)
         self.iteration_tokens = len(a.lanes)
-
-
-def _sampled_in(req: RequestState, b: PlanBuilder) -> bool:
-    """A sequence of `req` sampled in step `b` (it caught up: not still recomputing)."""
-    return any(seq.last_step == b.step_id and (len(seq.token_ids) == seq.num_computed_tokens + 1
-                                               or seq.embedding is not None)
-               for seq in req.seqs)
 
 
 def _opens_a_block(seq: Sequence, block_size: int) -> bool:

@@ -1,10 +1,7 @@
-"""The one scheduling rule, applied to every live sequence of a step (docs/ARCHITECTURE.md,
-"Schedule"): its computed tokens catch up with its known tokens (prompt, outputs, drafts) as far
-as the token budget allows, preempting in policy order when blocks are short. Sequences meet
-the rule in order: decodes, prompts part-way through, swapped ones coming back (not in a step
-that swapped some out), then waiting ones while the sequence cap, the budget and free blocks
-above the watermark allow. How a decision is encoded (a lane or a per-sequence entry) is the
-plan builder's (plan.py).
+"""The one scheduling rule, applied to every live sequence of a step in the order `StepRule.plan`
+gives (docs/ARCHITECTURE.md, "Schedule"): its computed tokens catch up with its known tokens
+(prompt, outputs, drafts) as far as the token budget allows, preempting in policy order when
+blocks are short. How a decision is encoded (a lane or a per-sequence entry) is plan.py's.
 """
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from pagedserve.pipeline.messages import NewSeq, ScheduledSeq
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder
-from pagedserve.pipeline.scheduler.preemption import pick_victim
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
 from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, SequenceStatus
 
@@ -279,12 +275,8 @@ class StepRule:
         """A ScheduledSeq with the tokens and blocks the workers have not seen yet."""
         tokens, sent = seq.token_ids, seq.num_tokens_sent
         unsent = [tokens[sent]] if sent + 1 == len(tokens) else tokens[sent:]
-        if drafts or seq.spec_skip:
-            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent, drafts,
-                                 seq.take_spec_skip())
-        else:
-            entry = ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent)
-        b.add_scheduled(seq, entry)
+        b.add_scheduled(seq, ScheduledSeq(seq.seq_id, num_tokens, new_blocks, unsent, drafts,
+                                          seq.take_spec_skip()))
         seq.sent_tokens_upto(len(tokens))
         self._planned(seq, num_tokens, b)
 
@@ -317,9 +309,8 @@ class StepRule:
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, b: PlanBuilder) -> bool:
         """Make room for `num_new` more tokens of `seq`, preempting others (or `seq` itself,
         returning False) when the pool is short."""
-        q = self.queues
         while not seq.grow(num_new, self.kv, b.copy):
-            victim = pick_victim((q.running, q.prefilling), self.policy.key, b.step_id)
+            victim = self.queues.victim(b.step_id)
             if victim is None:
                 raise RuntimeError(f"seq {seq.seq_id} is short of blocks and no sequence is left "
                                    "to preempt, itself included")
@@ -340,7 +331,7 @@ class StepRule:
                   and not head.request.wants_prompt_logprobs else 0)
         need = min(len(tokens) - cached, self.config.max_num_batched_tokens)
         while not self.kv.can_allocate(need, num_cached_tokens=cached):
-            victim = pick_victim((q.running, q.prefilling), self.policy.key, b.step_id)
+            victim = q.victim(b.step_id)
             if victim is None or not self.policy.may_preempt(head, victim):
                 return
             self.life.preempt(victim, b)
