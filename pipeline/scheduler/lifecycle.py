@@ -52,7 +52,6 @@ class RequestLifecycle:
         self.proposer = NgramProposer(spec) if spec is not None else None
 
     def add(self, request: Request) -> None:
-        """Queue a request; raises RequestRejected (QueueFull when the queue is at its bound)."""
         if request.request_id in self.requests:
             raise RequestRejected(request.request_id, "a request with this id is already in flight")
         state = admit_request(request, self.config, num_gpu_blocks=self.kv.num_gpu_blocks,
@@ -78,7 +77,6 @@ class RequestLifecycle:
             self.prompt_tokens += req.num_prompt_tokens
 
     def take_finished(self) -> list[RequestState]:
-        """The requests that finished since the last call (their sequences keep their tokens)."""
         done, self._finished_requests = self._finished_requests, []
         return done
 

@@ -38,16 +38,16 @@ def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching:
     out = StepOutputs([], [], [])
     pending: list[Sampled] = []
     pooled: list[Sequence] = []
-    fills: list[tuple[int, list[int], int, int]] = []  # (seq_id, tokens, slots held, computed)
+    # (seq_id, tokens, slots held, computed) per block that filled up; None: no prefix caching
+    fills: list[tuple[int, list[int], int, int]] | None = [] if caching else None
     plain = result.logprobs is None and result.top_logprobs is None
     if plain and not b.num_finished and result.seq_ids[:len(lanes)] == b.lane_ids:
-        _advance_lanes(b, result.token_ids, out, pending, fills if caching else None,
-                       stop_id_union)
+        _advance_lanes(b, result.token_ids, out, pending, fills, stop_id_union)
     else:  # logprobs to pass on, rows out of order, or lanes finished meanwhile
-        _advance_each(lanes, rows, 0, True, plain, out, pending, pooled, block_size,
-                      fills if caching else None, b.verified)
+        _advance_each(lanes, rows, 0, True, plain, out, pending, pooled, block_size, fills,
+                      b.verified)
     _advance_each(b.seqs, rows, len(lanes), False, plain, out, pending, pooled, block_size,
-                  fills if caching else None, b.verified)
+                  fills, b.verified)
     for seq in b.fork_children:
         if seq.status is RUNNING:
             row = rows.find(seq.seq_id)
@@ -68,7 +68,6 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
     blocks that filled up, and setting aside lanes that sampled one of their stop ids. The
     output columns are the lanes list itself and the rows' tokens."""
     lanes = b.lanes
-    num_lanes = len(lanes)
     deque(map(list.append, map(_TOKEN_IDS, lanes), token_ids), 0)
     if fills is not None:
         for seq in b.lane_fills:  # the slots of the filled block may have been held lazily
@@ -77,7 +76,7 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
             if held < new:
                 held = seq.reported_slots(new)
             fills.append((seq.seq_id, seq.token_ids, held, new))
-    tokens = token_ids[:num_lanes]
+    tokens = token_ids[:len(lanes)]
     if stop_id_union.isdisjoint(tokens):
         out.seqs, out.token_ids = lanes, tokens
         return

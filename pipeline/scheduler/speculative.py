@@ -1,10 +1,8 @@
 """N-gram speculative decoding on the scheduler's side: the proposer (docs/ARCHITECTURE.md).
 
-A speculating sequence in steady decode proposes the tokens that followed the latest earlier
-occurrence of the longest suffix of its tokens (n from prompt_lookup_max down to
-prompt_lookup_min). The lookup is an index per sequence, kept up to date as tokens are
-appended: each n-gram that has a token after it maps to where its latest occurrence ends, so a
-proposal costs a few dict operations per new token, not a scan of the context.
+The lookup is an index per sequence, kept up to date as tokens are appended: each n-gram that
+has a token after it maps to where its latest occurrence ends, so a proposal costs a few dict
+operations per new token, not a scan of the context.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""The steps with the workers: at most one in flight, and one planned behind it.
-
-Both drivers run this loop: SchedulerProcess sends each plan to the worker ranks over ZeroMQ,
-EngineCore hands it to a WorkerCore in the same process, so the in-process engine overlaps
-steps exactly as the process group does (`Scheduler.schedule_ahead`). No sockets, no clock of
-its own. The steps themselves are the scheduler's (`Scheduler.step_in_flight`, `step_ahead`);
-the loop only adds when the step in flight started and what planning it cost.
-"""
+"""The steps with the workers: at most one in flight, and one planned behind it, driven alike
+by SchedulerProcess (over ZeroMQ) and EngineCore (docs/ARCHITECTURE.md, "Overlapped
+scheduling"). The steps are the scheduler's; the loop adds when the one in flight started and
+what planning it cost. No sockets, no clock of its own."""
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 from pagedserve.pipeline.messages import StepPlan, StepResult
-
-
-def is_empty(plan: StepPlan) -> bool:
-    """Nothing for the workers to do (e.g. every request waits for blocks an abort will free)."""
-    return not (plan.decode_seq_ids or plan.scheduled or plan.new_seqs or plan.swap_out
-                or plan.swap_in or plan.copy or plan.forks or plan.finished_seq_ids)
 
 
 class StepLoop:
@@ -58,7 +48,9 @@ class StepLoop:
         self.schedule_ms = (time.perf_counter() - started) * 1e3
         if self._on_planned is not None:
             self._on_planned(plan)
-        if is_empty(plan):
+        if not (plan.decode_seq_ids or plan.scheduled or plan.new_seqs or plan.swap_out
+                or plan.swap_in or plan.copy or plan.forks or plan.finished_seq_ids):
+            # nothing for the workers (e.g. every request waits for blocks an abort will free)
             self.scheduler.update(plan, StepResult(plan.step_id, [], [], None, None), now)
             return None
         sending = self.clock()

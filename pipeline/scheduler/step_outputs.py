@@ -50,11 +50,6 @@ class StepOutputs(CollectionSequence):
     def __len__(self) -> int:
         return len(self.seqs) + len(self.others)
 
-    def _column(self, i: int) -> SequenceOutput:
-        seq = self.seqs[i]
-        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]],
-                              offset=len(seq.token_ids) - seq.num_prompt_tokens - 1)
-
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -63,7 +58,11 @@ class StepOutputs(CollectionSequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError("StepOutputs index out of range")
-        return self._column(i) if i < n else self.others[i - n]
+        if i >= n:
+            return self.others[i - n]
+        seq = self.seqs[i]
+        return SequenceOutput(seq.request.request_id, seq.index, [self.token_ids[i]],
+                              offset=len(seq.token_ids) - seq.num_prompt_tokens - 1)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (StepOutputs, list, tuple)):
