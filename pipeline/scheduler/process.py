@@ -5,10 +5,8 @@ the launcher's news, and a PUSH to the detokenizer. While the workers compute a 
 keeps taking messages; the next plan is built the moment the result arrives. With nothing to
 do it blocks on its sockets (waking once a second for liveness checks).
 
-Worker-group lifecycle: the scheduler owns an epoch token. At start and after every loss of the
-workers' KV state (a rank died, raised, or a step ran past --step-timeout) it takes a new
-token, requeues every live sequence for recompute and resends Reset(token) to each rank until
-all answer WorkerReady(token); only then does it plan again.
+The worker group's epochs are docs/INTERFACES.md's "Worker epochs": after every loss of the
+workers' KV state a new token, resent in Reset until every rank answers; only then a new plan.
 """
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ import os
 import signal
 import time
 import uuid
+from collections import Counter
 
 import zmq
 
@@ -78,12 +77,13 @@ class SchedulerProcess:
         self.ready_ranks: dict[int, messages.WorkerReady] = {}
         self.last_reset_sent = 0.0
         self.stop_requested = False
+        # Messages no handler took, by (role, tag), from the start: the service's once built.
+        self.unknown_messages: Counter[tuple[str, str]] = Counter()
         # One table for all three sockets, the service's messages added once it is built; the
         # sender is the identity on the ROUTERs and None on the PULL (detokenizer, launcher).
         self.dispatcher = transport.Dispatcher(
             "scheduler", self._group_handlers(), log=log,
             report=lambda tag, _reason: self._count_unknown("scheduler", tag))
-        self._early_unknown: list[tuple[str, str]] = []  # before the service exists
 
     @property
     def token(self) -> str:
@@ -183,8 +183,7 @@ class SchedulerProcess:
             retain_finished_s=self.cfg.supervisor.heartbeat_timeout + 10.0,
             send_to_client=lambda cid, msg: transport.send_to_peer(self.frontend, msg, cid),
             send_to_detok=self._send_to_detok)
-        for role, tag in self._early_unknown:
-            self.service.count_unknown(role, tag)
+        self.service.unknown_messages = self.unknown_messages
         if self.incarnation:
             self.service.restarts["scheduler"] = self.incarnation
         self.loop = StepLoop(self.service, self._send_plan,
@@ -308,10 +307,7 @@ class SchedulerProcess:
             self.dispatcher.receive(frames, routed=routed, with_sender=True)
 
     def _count_unknown(self, role: str, tag: str) -> None:
-        if self.service is None:
-            self._early_unknown.append((role, tag))
-        else:
-            self.service.count_unknown(role, tag)
+        self.unknown_messages[role, tag] += 1
 
     # -- the worker group's messages (the rest are SchedulerService.handlers) -----------------
     def _group_handlers(self) -> dict:

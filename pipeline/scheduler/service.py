@@ -355,8 +355,7 @@ class SchedulerService:
             self.send_to_detok(batch)
 
     def stats(self) -> dict:
-        s = self.scheduler.stats()
-        kv = self.scheduler.kv.stats()
+        s, kv, gate = self.scheduler.stats(), self.scheduler.kv.stats(), self.grammar_gate
         spec = {} if self.scheduler.proposer is None else {
             "spec_decode_num_drafts": s.spec_num_drafts,
             "spec_decode_num_draft_tokens": s.spec_draft_tokens,
@@ -384,9 +383,8 @@ class SchedulerService:
             "unknown_messages": [{"role": role, "type": tag, "count": n}
                                  for (role, tag), n in sorted(self.unknown_messages.items())],
             # seconds each grammar took to compile (structured output), in compile order
-            "grammar_compile_s": (list(self.grammar_gate.compiler.compile_seconds[-1000:])
-                                  if self.grammar_gate is not None else []),
-            "num_requests_compiling": len(self.grammar_gate.held) if self.grammar_gate else 0,
-            "grammar_tables_ready": bool(self.grammar_gate and self.grammar_gate.compiler.ready),
-            "grammar_compiler_warm": bool(self.grammar_gate and self.grammar_gate.compiler.warmed),
+            "grammar_compile_s": list(gate.compiler.compile_seconds[-1000:]) if gate else [],
+            "num_requests_compiling": len(gate.held) if gate else 0,
+            "grammar_tables_ready": bool(gate and gate.compiler.ready),
+            "grammar_compiler_warm": bool(gate and gate.compiler.warmed),
         }
