@@ -45,7 +45,6 @@ class RequestLifecycle:
         # Requests finished since the service last took them: it keeps their outputs a while,
         # for a detokenizer that died before delivering them.
         self._finished_requests: list[RequestState] = []
-        # Requests that were in a step that crashed the workers wait their turn (quarantine.py).
         self.quarantine = Quarantine()
         self.grammar_book = None  # structured output's matchers; None: not enabled
         spec = config.speculative

@@ -19,11 +19,8 @@ class Quarantine:
         """Count a crash against each of the lost step's requests (each once); the ones at
         MAX_CRASHES are returned (to be failed), the others become suspects."""
         self.on_trial = None  # its trial ended with the step
-        culprits, seen = [], set()
-        for req in requests:
-            if req.request_id in seen:
-                continue
-            seen.add(req.request_id)
+        culprits = []
+        for req in {req.request_id: req for req in requests}.values():
             req.crashes += 1
             if req.crashes >= MAX_CRASHES:
                 culprits.append(req)

@@ -38,8 +38,6 @@ class Scheduler:
         self.kv = kv_cache
         self.policy = POLICIES[config.policy]()
         self.block_size = config.block_size
-        # Every layer attends only this many positions back: blocks that slid out of it are
-        # released before each step that no longer reads them (kvmanager/window.py).
         self.sliding_window = config.sliding_window
         self.num_watermark_blocks = getattr(kv_cache, "watermark_blocks",
                                             int(config.watermark * kv_cache.num_gpu_blocks))

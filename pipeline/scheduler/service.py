@@ -345,8 +345,7 @@ class SchedulerService:
                 stop_reason = out.new_token_ids[-1]
             samples.append(messages.SampleTokens(
                 request_id=out.request_id, index=out.index, token_ids=out.new_token_ids,
-                offset=out.offset,
-                logprobs=out.logprobs, top_logprobs=out.top_logprobs,
+                offset=out.offset, logprobs=out.logprobs, top_logprobs=out.top_logprobs,
                 finish_reason=out.finish_reason, stop_reason=stop_reason,
                 num_prompt_tokens=owner.num_prompt_tokens, embedding=out.embedding))
             if out.request_finished:

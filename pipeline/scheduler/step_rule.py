@@ -12,7 +12,7 @@ from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
-from pagedserve.pipeline.scheduler.sequence import RequestState, Sequence, SequenceStatus
+from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
 
 SEQ_ID = attrgetter("seq_id")
 RUNNING = SequenceStatus.RUNNING
@@ -172,16 +172,22 @@ class StepRule:
         adapter keeps the step within --max-loras. The caller stops at the first that does
         not fit now: head-of-line blocking keeps the order fair (no starvation)."""
         q = self.queues
-        loras = StepAdapters(self.config.max_loras, decodes, chunks)
+        loras = None  # the step's distinct adapters, worked out when one is first asked for
         while b.budget and q.room_for(1):
             seq = q.head(heap, status)
             if (seq is None or (status is WAITING and seq.preempted_step == b.step_id)
                     or not q.room_for(seq.request.num_seq_slots)
-                    or self.life.quarantine.holds_back(seq.request)
-                    or not loras.admits(seq.request)):
+                    or self.life.quarantine.holds_back(seq.request)):
                 return  # a waiting one pushed out this very step waits for the next
+            lora = seq.request.lora
+            if lora is not None:  # the base model takes no adapter slot
+                if loras is None:
+                    loras = {s.request.lora.lora_int_id for group in (decodes, chunks)
+                             for s in group if s.request.lora is not None}
+                if lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                    return
+                loras.add(lora.lora_int_id)
             yield seq
-            loras.add(seq.request)
             self.life.quarantine.begin_trial(seq.request)
 
     def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
@@ -335,30 +341,3 @@ class StepRule:
             if victim is None or not self.policy.may_preempt(head, victim):
                 return
             self.life.preempt(victim, b)
-
-
-class StepAdapters:
-    """The distinct LoRA adapters of a step's running sequences, worked out on first need (a
-    step with no adapter waiting never looks). A waiting or swapped sequence joins only while
-    they stay within --max-loras (the base model takes none); otherwise it waits at the head of
-    its queue like a sequence short of blocks."""
-
-    __slots__ = ("max_loras", "_running", "_ids")
-
-    def __init__(self, max_loras: int, *running: list[Sequence]) -> None:
-        self.max_loras = max_loras
-        self._running = running
-        self._ids: set[int] | None = None
-
-    def admits(self, request: RequestState) -> bool:
-        lora = request.lora
-        if lora is None:
-            return True
-        if self._ids is None:
-            self._ids = {seq.request.lora.lora_int_id for group in self._running
-                         for seq in group if seq.request.lora is not None}
-        return lora.lora_int_id in self._ids or len(self._ids) < self.max_loras
-
-    def add(self, request: RequestState) -> None:
-        if request.lora is not None and self._ids is not None:
-            self._ids.add(request.lora.lora_int_id)
