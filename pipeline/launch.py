@@ -28,8 +28,8 @@ from pagedserve import cluster_net, envs, transport
 from pagedserve.breadcrumb import PrivateFileError, read_breadcrumb, save_keys
 from pagedserve.lifecycle import remove_file, setup_logging
 from pagedserve.pipeline import messages
-from pagedserve.pipeline.config import (SOCKET_NAMES, EngineConfig, ModelInfo, build_arg_parser,
-                                        config_from_args)
+from pagedserve.pipeline.cli_args import build_arg_parser, config_from_args
+from pagedserve.pipeline.config import SOCKET_NAMES, EngineConfig, ModelInfo
 
 log = logging.getLogger("pagedserve.launcher")
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve import envs
-from pagedserve.pipeline.config import EngineConfig, build_arg_parser, config_from_args
+from pagedserve.pipeline.cli_args import build_arg_parser, config_from_args
+from pagedserve.pipeline.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for top in ("pagedserve", "pipeline", "workers", "kernels", "kvmanager")

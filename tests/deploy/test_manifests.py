@@ -155,7 +155,7 @@ def _serve_args(component: str):
 
 
 def test_engine_containers_pass_flags_the_launcher_takes():
-    from pagedserve.pipeline.config import build_arg_parser
+    from pagedserve.pipeline.cli_args import build_arg_parser
     found = list(_serve_args("engine"))
     assert len(found) >= 2     # the Deployment and the multi-host StatefulSet
     for path, args in found:

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from pagedserve.pipeline.config import ParallelArgs, build_arg_parser, config_from_args
+from pagedserve.pipeline.cli_args import build_arg_parser, config_from_args
+from pagedserve.pipeline.config import ParallelArgs
 
 
 def _cfg(*argv):

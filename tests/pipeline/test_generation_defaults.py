@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pagedserve.pipeline.config import EngineConfig, build_arg_parser, config_from_args
+from pagedserve.pipeline.cli_args import build_arg_parser, config_from_args
+from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.generation_defaults import (GenerationConfigError, describe,
                                                      read_generation_defaults)
 from pagedserve.pipeline.ingress.protocol import ChatCompletionRequest, CompletionRequest

@@ -159,7 +159,7 @@ def test_command_line():
 
 
 def test_no_model_named_serves_the_launchers_default_model():
-    from pagedserve.pipeline.config import build_arg_parser
+    from pagedserve.pipeline.cli_args import build_arg_parser
     default = build_arg_parser().parse_args([]).model  # what a plain scripts/launch.sh serves
     cfg, _ = config_from_argv(["--data-parallel-size", "2", "--dtype", "float32"])
     assert list(cfg.models) == [default] and cfg.data_parallel_size == 2

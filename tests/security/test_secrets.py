@@ -16,7 +16,8 @@ from starlette.testclient import TestClient
 
 from pagedserve import envs
 from pagedserve.lifecycle import start_role
-from pagedserve.pipeline.config import EngineConfig, build_arg_parser, config_from_args
+from pagedserve.pipeline.cli_args import build_arg_parser, config_from_args
+from pagedserve.pipeline.config import EngineConfig
 from pagedserve.pipeline.ingress.replica_secret import REPLICA_SECRET_HEADER, ReplicaSecretCheck
 from pagedserve.pipeline.ingress.testing import make_tiny_tokenizer
 from pagedserve.pipeline.router.config import config_from_argv, read_api_key_file
