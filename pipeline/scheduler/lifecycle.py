@@ -11,7 +11,7 @@ from pagedserve.pipeline.messages import Fork, PromptLogprobs, StepResult
 from pagedserve.pipeline.scheduler.admission import RequestRejected, admit_request
 from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
-from pagedserve.pipeline.scheduler.preemption import SWAP, PreemptionChooser
+from pagedserve.pipeline.scheduler.preemption import SWAP, swap_or_recompute
 from pagedserve.pipeline.scheduler.quarantine import Quarantine
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
 from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, Request, RequestState,
@@ -33,7 +33,6 @@ class RequestLifecycle:
         self.eos_token_ids = eos_token_ids
         self.num_watermark_blocks = num_watermark_blocks
         self.forks_need_rows = forks_need_rows  # workers read block tables from shared rows
-        self.preemption = PreemptionChooser(config.preemption_mode, config.swap_threshold_tokens)
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         # Every stop id any request has had: a step none of whose tokens is here stops nothing.
@@ -118,7 +117,8 @@ class RequestLifecycle:
         self.num_preemptions += 1
         self.queues.leave(seq)
         seq.preempted(b.step_id)
-        if self.preemption.choose(len(seq.token_ids), can_swap) == SWAP:
+        if swap_or_recompute(self.config.preemption_mode, len(seq.token_ids), can_swap,
+                             self.config.swap_threshold_tokens) == SWAP:
             b.swap_out.extend(kv.swap_out(seq.seq_id, seq.num_computed_tokens))
             self.queues.push_swapped(seq)
         else:

@@ -4,7 +4,7 @@ whole history, read back out of the fake KV cache)."""
 import pytest
 
 from pagedserve.pipeline.sampling_params import SamplingParams as SP
-from pagedserve.pipeline.scheduler.preemption import PreemptionChooser, PreemptionCostModel
+from pagedserve.pipeline.scheduler.preemption import PreemptionCostModel, swap_or_recompute
 from pagedserve.pipeline.scheduler.sequence import Request
 from sched_fakes import drive, expected_tokens, make_scheduler, step
 
@@ -85,12 +85,11 @@ def test_victims_lowest_priority_then_latest_arrival():
 
 
 def test_auto_mode_recomputes_short_and_swaps_long():
-    chooser = PreemptionChooser("auto", swap_threshold_tokens=100)
-    assert chooser.choose(99, can_swap=True) == "recompute"
-    assert chooser.choose(100, can_swap=True) == "swap"
-    assert chooser.choose(5000, can_swap=False) == "recompute"  # host pool full
-    assert PreemptionChooser("swap").choose(1, can_swap=True) == "swap"
-    assert PreemptionChooser("recompute").choose(10**6, can_swap=True) == "recompute"
+    assert swap_or_recompute("auto", 99, can_swap=True, swap_threshold_tokens=100) == "recompute"
+    assert swap_or_recompute("auto", 100, can_swap=True, swap_threshold_tokens=100) == "swap"
+    assert swap_or_recompute("auto", 5000, can_swap=False) == "recompute"  # host pool full
+    assert swap_or_recompute("swap", 1, can_swap=True) == "swap"
+    assert swap_or_recompute("recompute", 10**6, can_swap=True) == "recompute"
 
 
 def test_cost_model_threshold_is_the_break_even_length():
