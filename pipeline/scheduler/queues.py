@@ -1,12 +1,6 @@
 """Where each live sequence waits or runs, the counts the caps are checked against, and the
-policy that orders the queues.
-
-`SequenceQueues` owns the waiting and swapped heaps (by policy key; a sequence that left one
-stays until it reaches the top), the running sequences in step order - decodes (`running`)
-before prompts part-way through (`prefilling`) - and `num_unforked`, the room held under
-max_num_seqs for samples a parent forks once its prompt is done. Every move between them is
-one method here, which also records the sequence's status. A policy's key orders admissions
-(smallest first) and picks preemption victims (largest first): the last admitted goes first.
+policy that orders the queues (its key: admit smallest first, preempt largest first). Every move
+between the queues is one `SequenceQueues` method, which also records the sequence's status.
 """
 from __future__ import annotations
 
@@ -53,6 +47,7 @@ class SequenceQueues:
     def __init__(self, key: Callable[[Sequence], tuple], max_num_seqs: int) -> None:
         self.key = key
         self.max_num_seqs = max_num_seqs
+        # Heaps by policy key; a sequence that left one stays until it reaches the top (`head`).
         self.waiting: list[tuple[tuple, Sequence]] = []
         self.swapped: list[tuple[tuple, Sequence]] = []
         self.running: list[Sequence] = []  # decoding; finished ones dropped at the next step
@@ -60,6 +55,8 @@ class SequenceQueues:
         # The next step's running list is built in the last one's: a list that lives on is not
         # traversed again by every young-generation garbage collection.
         self._spare: list[Sequence] = []
+        # num_unforked: the room held under max_num_seqs for samples a parent forks once its
+        # prompt is done.
         self.num_running = self.num_waiting = self.num_swapped = self.num_unforked = 0
 
     def room_for(self, num_seqs: int) -> bool:

@@ -1,12 +1,6 @@
-"""Reading a step's result back into the sequences the plan handed to the workers.
-
-`advance` appends each planned sequence's sampled token, counts the tokens it computed, makes
-the blocks that filled up findable in the prefix cache, and sorts the samples into the plain
-ones (StepOutputs' columns) and the ones the scheduler must look at (stop ids, max_tokens,
-logprobs, fork children); finishing is the scheduler's. Two loops, one meaning: `_advance_lanes`
-is the common case of the decode columns, done with one C-level map; `_advance_each` is
-everything else. Blocks are committed in sequence-id order whichever loop ran, so the prefix
-cache does not depend on the plan's encoding.
+"""Reading a step's result back into the sequences the plan handed to the workers
+(docs/INTERFACES.md, `results.py`). Two loops, one meaning: `_advance_lanes` is the common case
+of the decode columns, done with one C-level map; `_advance_each` is everything else.
 """
 from __future__ import annotations
 

@@ -36,18 +36,16 @@ class Scheduler:
                                  f"{getattr(kv_cache, name, 0)}")
         self.config = config
         self.kv = kv_cache
-        self.policy = POLICIES[config.policy]()
-        self.block_size = config.block_size
-        self.sliding_window = config.sliding_window
+        policy = POLICIES[config.policy]()
         self.num_watermark_blocks = getattr(kv_cache, "watermark_blocks",
                                             int(config.watermark * kv_cache.num_gpu_blocks))
         tables = kv_cache.block_tables  # shared-memory rows the workers may read instead
         self._shared_tables = None if tables is None else SharedTables(
             tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
-        self.queues = SequenceQueues(self.policy.key, config.max_num_seqs)
+        self.queues = SequenceQueues(policy.key, config.max_num_seqs)
         self.life = RequestLifecycle(config, kv_cache, self.queues, frozenset(eos_token_ids),
                                      self.num_watermark_blocks, tables is not None)
-        self.rule = StepRule(config, kv_cache, self.queues, self.life, self.policy,
+        self.rule = StepRule(config, kv_cache, self.queues, self.life, policy,
                              self.num_watermark_blocks)
         self.generation_tokens = self.iteration_tokens = 0
         self._next_step_id = 0
@@ -89,8 +87,7 @@ class Scheduler:
         self.life.add(request)
 
     def abort(self, request_id: str) -> list[SequenceOutput]:
-        """Finish every sample of a request with reason 'abort'; unknown ids are ignored (the
-        request may have finished while the abort was on its way)."""
+        """Finish every sample of a request with reason 'abort'; unknown ids (done) are ignored."""
         return self.life.finish_request(request_id, FINISHED_ABORTED, None, self._inflight)
 
     def stop(self, request_id: str, reason: str = "stop", index: int | None = None
@@ -122,11 +119,9 @@ class Scheduler:
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
     def reset_device_state(self, cause: str = "", attributable: bool = False) -> Recovery:
-        """The workers lost their KV cache (a rank died, hung or raised): forget the device
-        pool and queue for recompute what lived there and what the lost step swapped out (its
-        copies may never have happened); the host pool survives, so earlier swap-outs stay.
-        `attributable`: the step may have caused the loss: its requests become suspects, and
-        one at MAX_CRASHES (quarantine.py) is failed alone."""
+        """The workers lost their KV cache (a rank died, hung or raised): recompute what lived
+        there and what the lost step swapped out (its copies may never have happened); the
+        host pool survives. `attributable` and quarantine: docs/INTERFACES.md."""
         kv, lost, life = self.kv, self._inflight, self.life
         unreliable = [cpu for _gpu, cpu in lost.swap_out] if lost is not None else []
         dropped = set(kv.drop_device_pool(unreliable))
@@ -193,9 +188,8 @@ class Scheduler:
         return None if self._ahead is None else self._ahead.plan
 
     def schedule_ahead(self) -> StepPlan | None:
-        """The next step planned before the result of the one in flight is back, when it can
-        only be the same lanes one token on; None otherwise. Nothing is planned ahead of a
-        queued, swapped out, prefilling, forked or constrained sequence."""
+        """The next step, planned before the result of the one in flight is back when it can only
+        be the same lanes one token on (ARCHITECTURE.md, "Overlapped scheduling"); else None."""
         b, q, book = self._inflight, self.queues, self.life.grammar_book
         if (b is None or self._ahead is not None or not self.config.decode_lanes
                 or q.num_waiting or q.num_swapped or (book is not None and book.grammars)
@@ -210,7 +204,7 @@ class Scheduler:
             if seq.last_step != b.step_id:
                 return None
             if len(seq.token_ids) + 1 > seq.lane_cap:
-                if self.sliding_window or not _opens_a_block(seq, self.block_size):
+                if self.config.sliding_window or not _opens_a_block(seq, self.config.block_size):
                     return None
                 opening.append(index)
         budget = self.config.max_num_batched_tokens
@@ -242,7 +236,7 @@ class Scheduler:
         if result.tier_failed and self.kv.tiers is not None:
             self.kv.tiers.on_failed(result.tier_failed)
         life = self.life
-        outputs, pending, pooled = advance(b, result, self.kv, block_size=self.block_size,
+        outputs, pending, pooled = advance(b, result, self.kv, block_size=self.config.block_size,
                                            caching=self.config.enable_prefix_caching,
                                            stop_id_union=life.stop_id_union)
         if result.prompt_logprobs:  # before the stop rules finish (and forget) sequences
@@ -283,7 +277,7 @@ class Scheduler:
             seq.plan_lane(a.step_id, n)
             if index in opened:
                 seq.lanes_until(self.rule.lane_cap(seq))
-            if self.config.enable_prefix_caching and not n % self.block_size:
+            if self.config.enable_prefix_caching and not n % self.config.block_size:
                 a.lane_fills.append(seq)
         self.iteration_tokens = len(a.lanes)
 

@@ -1,13 +1,5 @@
-"""Request and sequence state as the scheduler keeps it.
-
-A *request* (string id from the client) owns one *sequence* per sample (``SamplingParams.n``);
-sequence ids are ints, unique per scheduler. The parent sequence computes the prompt; its n - 1
-children are forked from it on the step that completes the prompt. A sequence's tokens are
-``token_ids`` = prompt followed by outputs, and ``num_computed_tokens`` of them have their K/V in
-the cache. Each step computes the next tokens up to the end of ``token_ids``; the worker samples
-only when a step reaches that end, so a sequence being recomputed does not sample until it has
-caught up.
-"""
+"""Request and sequence state as the scheduler keeps it (docs/INTERFACES.md, "Requests and
+sequences")."""
 from __future__ import annotations
 
 import enum
@@ -38,11 +30,7 @@ STATUS_FOR_REASON = {reason: status for status, reason in FINISH_REASONS.items()
 
 @dataclass(slots=True)
 class Request:
-    """What `Scheduler.add` needs; the process wrapper builds it from the AddRequest message.
-
-    `output_token_ids` is non-empty only for a resubmission after a scheduler restart: those
-    tokens are computed together with the prompt and count against max_tokens.
-    """
+    """What `Scheduler.add` needs; the process wrapper builds it from the AddRequest message."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -50,7 +38,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # a resubmission's (n = 1)
     pooling: PoolingParams | None = None  # an embedding request: prefill-only
     lora: LoRARequest | None = None  # its LoRA adapter; None: the base model
 

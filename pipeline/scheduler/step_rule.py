@@ -28,8 +28,6 @@ class StepRule:
         self.queues = queues
         self.life = life
         self.policy = policy
-        self.block_size = config.block_size
-        self.sliding_window = config.sliding_window
         self.num_watermark_blocks = num_watermark_blocks
 
     def plan(self, b: PlanBuilder) -> None:
@@ -41,7 +39,7 @@ class StepRule:
         self._schedule_decodes(b, decodes)
         for seq in q.prefilling:
             if seq.status is RUNNING:
-                if self.sliding_window:
+                if self.config.sliding_window:
                     self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
                 self._place(seq, self._catch_up(seq, b), decodes, chunks)
         if q.swapped and not b.swap_out:
@@ -62,7 +60,7 @@ class StepRule:
         lanes = b.lanes
         add_lane, add_lane_token = lanes.append, b.lane_tokens.append
         add_fill = b.lane_fills.append
-        bs, step_id = self.block_size, b.step_id
+        bs, step_id = self.config.block_size, b.step_id
         caching = self.config.enable_prefix_caching
         budget = b.budget
         for seq in self.queues.running:
@@ -91,7 +89,7 @@ class StepRule:
         cannot end it by length."""
         if seq.status is not RUNNING:
             return False  # finished or preempted since
-        if self.sliding_window:  # its lane_cap ends where its next block slides out
+        if self.config.sliding_window:  # its lane_cap ends where its next block slides out
             self.kv.slide_window(seq.seq_id, seq.num_computed_tokens)
         if seq.request.speculates and self._schedule_drafts(seq, b):
             keep(seq)
@@ -100,7 +98,7 @@ class StepRule:
         new_blocks = None
         if (self.config.decode_lanes and seq.num_computed_tokens + 1 == n
                 and seq.num_reserved_tokens < n and not seq.needs_full_send and b.budget > 0):
-            if n <= seq.num_blocks_sent * self.block_size and not seq.shared_tail:
+            if n <= seq.num_blocks_sent * self.config.block_size and not seq.shared_tail:
                 new_blocks = NO_BLOCKS  # inside the blocks the workers hold: tell the manager later
                 seq.hold_slots(n, reported=False)
             else:  # None: its last block is shared, or the pool is short
@@ -269,7 +267,7 @@ class StepRule:
             seq.sent_in_full(len(block_ids), len(tokens))
             self._planned(seq, num_tokens, b)
             return
-        num_blocks = (seq.num_reserved_tokens + self.block_size - 1) // self.block_size
+        num_blocks = -(-seq.num_reserved_tokens // self.config.block_size)
         new_blocks = NO_BLOCKS
         if num_blocks > seq.num_blocks_sent:
             new_blocks = self.kv.block_table(sid)[seq.num_blocks_sent:]
@@ -296,19 +294,16 @@ class StepRule:
 
     def lane_cap(self, seq: Sequence) -> int:
         """For a sequence just planned to compute up to the end of its tokens: the largest token
-        count at which its following steps are lanes (-1: none). A lane's slot lies in the
-        blocks the workers hold (not a shared last block), the workers need nothing else about
-        it, and its token leaves it short of max_tokens (so `update` need not check the
-        length). Under a sliding window the step that releases its next block takes the
-        general path, which slides the window first."""
+        count at which its following steps are lanes (-1: none; docs/INTERFACES.md, "Decode
+        lanes"): short of max_tokens, so that `update` need not check a lane's length."""
         n = len(seq.token_ids)
         if (seq.request.speculates  # its decodes may carry drafts: planned one by one
                 or seq.shared_tail or seq.needs_full_send or seq.num_reserved_tokens != n
                 or seq.num_tokens_sent != n):
             return -1
-        cap = min(seq.num_blocks_sent * self.block_size,
+        cap = min(seq.num_blocks_sent * self.config.block_size,
                   seq.num_prompt_tokens + seq.request.max_output_tokens - 2)
-        if self.sliding_window:
+        if self.config.sliding_window:
             cap = min(cap, self.kv.window_release_at(seq.seq_id))
         return cap
 
