@@ -2,8 +2,7 @@
 
 `RequestLifecycle` owns the requests and their sequences, what finished since the service and
 the workers last heard (`take_finished`, `take_finished_seq_ids`), and the counts of requests
-in and out. A finish in the step in flight counts its row there (`inflight`): update drops
-rows one by one from then on.
+in and out.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""One step's plan as the scheduler builds it: a diff against what the workers hold.
-
-`PlanBuilder` records each decision in the plan's encoding: everything (`NewSeq`) for a
-sequence the workers hold nothing valid for, else its new tokens and blocks (`ScheduledSeq`);
-the steady decode as a *lane*, a column entry (`decode_seq_ids` / `decode_token_ids`). Lanes
-are an encoding of the same decision, not a second policy: `SchedulerConfig.decode_lanes=False`
-plans every step through the general path (tests/pipeline/test_scheduler_lane_equivalence.py).
+"""One step's plan as the scheduler builds it: a diff against what the workers hold, each
+decision in the plan's encoding - a `NewSeq`, a `ScheduledSeq` or a lane (docs/INTERFACES.md,
+"Decode lanes are the plan's encoding, not a second policy").
 """
 from __future__ import annotations
 

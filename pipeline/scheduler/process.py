@@ -1,12 +1,8 @@
 """Scheduler role: `python -m pagedserve.pipeline.scheduler.process --config-file ...`.
 
-Sockets: a ROUTER for clients, a ROUTER for the worker ranks, a PULL for the detokenizer's and
-the launcher's news, and a PUSH to the detokenizer. While the workers compute a step the loop
-keeps taking messages; the next plan is built the moment the result arrives. With nothing to
-do it blocks on its sockets (waking once a second for liveness checks).
-
-The worker group's epochs are docs/INTERFACES.md's "Worker epochs": after every loss of the
-workers' KV state a new token, resent in Reset until every rank answers; only then a new plan.
+Its sockets and the worker group's epochs are docs/INTERFACES.md's "The process protocol". While
+the workers compute a step the loop keeps taking messages; the next plan is built the moment
+the result arrives. With nothing to do it blocks on its sockets (waking once a second).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""N-gram speculative decoding on the scheduler's side: the proposer (docs/ARCHITECTURE.md).
-
-The lookup is an index per sequence, kept up to date as tokens are appended: each n-gram that
-has a token after it maps to where its latest occurrence ends, so a proposal costs a few dict
-operations per new token, not a scan of the context.
+"""N-gram speculative decoding on the scheduler's side: the proposer (docs/ARCHITECTURE.md),
+an index per sequence that costs a few dict operations per new token, not a scan of the context.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The steps with the workers: at most one in flight, and one planned behind it, driven alike
-by SchedulerProcess (over ZeroMQ) and EngineCore (docs/ARCHITECTURE.md, "Overlapped
-scheduling"). The steps are the scheduler's; the loop adds when the one in flight started and
-what planning it cost. No sockets, no clock of its own."""
+"""The steps with the workers, driven alike by SchedulerProcess and EngineCore; no sockets, no
+clock of its own (docs/INTERFACES.md, `StepLoop`; docs/ARCHITECTURE.md, "Overlapped scheduling")."""
 from __future__ import annotations
 
 import time
@@ -14,10 +12,6 @@ class StepLoop:
     def __init__(self, service, send: Callable[[StepPlan], bool], *, overlap: bool,
                  step_timeout: float = float("inf"), clock: Callable[[], float] = time.monotonic,
                  on_planned: Callable[[StepPlan], None] | None = None) -> None:
-        """`service`: the SchedulerService whose scheduler plans and whose `on_step_result`
-        applies results. `send(plan)` hands a plan to the workers; False: they could not be
-        reached (the driver has dealt with that, e.g. reset the group). `on_planned(plan)`
-        sees every plan made, sent or not (fault injection counts steps with it)."""
         self.service = service
         self.scheduler = service.scheduler
         self._send = send

@@ -29,13 +29,9 @@ class SequenceOutput(msgspec.Struct, gc=False):
 
 
 class StepOutputs(CollectionSequence):
-    """What `Scheduler.update` returns for one step: a SequenceOutput per sample that gained a
-    token. The plain ones (one token, not finished, no logprobs: nearly all of them) stay as two
-    parallel columns - the sample's Sequence and its token - which the scheduler process
-    forwards without building an object per sample; `others` holds the rest, in sequence order.
-    Indexing and iterating give SequenceOutputs (built on demand), the columns first; the
-    columns read the live sequences, so read a step's outputs before the next `update`.
-    """
+    """What `Scheduler.update` returns for one step (docs/INTERFACES.md): a SequenceOutput per
+    sample that gained a token, the plain ones (nearly all) kept as columns, which the scheduler
+    process forwards without building an object per sample; indexing builds them on demand."""
 
     __slots__ = ("seqs", "token_ids", "others", "prompt_logprobs")
 
@@ -75,9 +71,7 @@ class StepOutputs(CollectionSequence):
 
 @dataclass(slots=True)
 class Recovery:
-    """What `reset_device_state` did: sequences queued for recompute, and requests failed
-    because they were in quarantine.MAX_CRASHES steps in a row that crashed the workers
-    (request id, the message for its client)."""
+    """What `reset_device_state` did (docs/INTERFACES.md)."""
     recomputed: int
     failed: list[tuple[str, str]]
 
