@@ -317,14 +317,11 @@ class SchedulerProcess:
     def _on_step_result(self, msg: messages.StepResult, _peer) -> None:
         if self.loop is None:
             return  # before the scheduler was built: nothing was sent
-        if self.trace is None:
-            self.loop.on_result(msg)  # ignored when from before a reset
-            return
         received = time.monotonic()
         since = self.loop.inflight_since if self.trace_since is None else self.trace_since
         schedule_ms = self.loop.schedule_ms
-        plan = self.loop.on_result(msg)
-        if plan is None:
+        plan = self.loop.on_result(msg)  # None: a result from before a reset, ignored
+        if plan is None or self.trace is None:
             return
         self._trace_step(plan, msg.timings, schedule_ms, since, received, self.loop.applied_at)
         # A step planned ahead is in flight now: it started when rank 0 sent this result (it

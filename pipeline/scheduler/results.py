@@ -23,10 +23,8 @@ Sampled = tuple[Sequence, int, int]
 
 def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching: bool,
             stop_id_union: set[int]) -> tuple[StepOutputs, list[Sampled], list[Sequence]]:
-    """The plain outputs as columns, the samples the scheduler must finish or pass on, and the
-    pooling sequences whose prompt this step completed (no token: the scheduler finishes them
-    with their vector). `stop_id_union` holds every stop id of every request: a step of lanes
-    none of whose tokens is in it stops nothing."""
+    """What it returns: docs/INTERFACES.md. `stop_id_union` holds every stop id of every request:
+    a step of lanes none of whose tokens is in it stops nothing."""
     rows = ResultRows(result)
     lanes = b.lanes
     out = StepOutputs([], [], [])
