@@ -252,7 +252,8 @@ def supports(qtype: int) -> bool:
 
 def unpack_ref(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
     """The weight in gguf_unpack.h's one form: (u int64 [n, blocks, B], sc and mc int64 [n,
-    blocks, B/16], d and dm fp32 [n, blocks]), w = d * sc * u - dm * mc per group of 16."""
+    blocks, B/16], d and dm fp32 [n, blocks]), w = d * sc * u - dm * mc per group of 16; Q4_0's
+    and Q5_0's u are their signed u - z with dm = 0, as the kernels fold z into the integer sum."""
     qtype, n = QType(w.qtype), w.shape[0]
     elements, nbytes = BLOCKS[qtype]
     raw = w.data.reshape(n, -1, nbytes).to(torch.int64)
@@ -277,12 +278,12 @@ def unpack_ref(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
             d = half(0)
             qh = sum(raw[..., 2 + i] << (8 * i) for i in range(4))
             bits = (qh.unsqueeze(-1) >> torch.arange(32)) & 1
-            u, dm = nibbles(raw[..., 6:]) | (bits << 4), 16 * d
+            u, dm = (nibbles(raw[..., 6:]) | (bits << 4)) - 16, torch.zeros_like(d)
         elif qtype == QType.Q4_1:
             d, dm, u = half(0), -half(2), nibbles(raw[..., 4:])
         else:
-            d, u = half(0), nibbles(raw[..., 2:])
-            dm = 8 * d
+            d, u = half(0), nibbles(raw[..., 2:]) - 8
+            dm = torch.zeros_like(d)
         return u, ones, ones, d, dm
     if qtype == QType.Q6_K:
         ql, qh = raw[..., :128], raw[..., 128:192]

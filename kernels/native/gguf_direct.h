@@ -47,11 +47,10 @@ static inline void direct_scales(int qtype, const uint8_t *const blk[PANEL], __m
                                  __m128 *dm) {
     const __m128 negate = _mm_set1_ps(-0.0f);
     switch (qtype) {
-        case T_Q4_0: *d = direct_halves(blk, 0); *dm = _mm_mul_ps(_mm_set1_ps(8.0f), *d); break;
+        case T_Q4_0: case T_Q5_0: case T_Q8_0: *d = direct_halves(blk, 0); *dm = _mm_setzero_ps();
+            break;
         case T_Q4_1: *d = direct_halves(blk, 0); *dm = _mm_xor_ps(direct_halves(blk, 2), negate);
             break;
-        case T_Q5_0: *d = direct_halves(blk, 0); *dm = _mm_mul_ps(_mm_set1_ps(16.0f), *d); break;
-        case T_Q8_0: *d = direct_halves(blk, 0); *dm = _mm_setzero_ps(); break;
         default: *d = direct_floats(blk, 0); *dm = _mm_xor_ps(direct_floats(blk, 4), negate);
     }
 }
@@ -92,8 +91,10 @@ static void NAME(const uint8_t *w, int64_t stride, int live, const int8_t *xq, c
         }                                                                                       \
         __m128 d, dm;                                                                           \
         direct_scales(QTYPE, blk, &d, &dm);                                                     \
-        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], hsum4(v[0], v[1], v[2], v[3]),       \
-            _mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1])));                       \
+        const int32_t s = (int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1];                          \
+        const __m128i i1 = _mm_sub_epi32(hsum4(v[0], v[1], v[2], v[3]),                         \
+                                         _mm_set1_epi32(qtype_zero(QTYPE) * s));                \
+        acc = _mm_add_ps(acc, direct_terms(d, dm, xd[b], i1, _mm_set1_epi32(s)));               \
     }                                                                                           \
     _mm_storeu_ps(out, acc);                                                                    \
 }

@@ -146,18 +146,18 @@ static inline void packed_scales(int qtype, const uint8_t *s, __m512 *d, __m512 
     }
     *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
     switch (qtype) {
-        case T_Q4_0: *dm = _mm512_mul_ps(_mm512_set1_ps(8.0f), *d); break;
-        case T_Q5_0: *dm = _mm512_mul_ps(_mm512_set1_ps(16.0f), *d); break;
         case T_Q4_1:
             *dm = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32))),
                                 sign);
             break;
-        default: *dm = _mm512_setzero_ps();                           /* Q8_0 */
+        default: *dm = _mm512_setzero_ps();                           /* Q4_0, Q5_0, Q8_0 */
     }
 }
 
 /* quad q's 64 bytes (16 columns x 4 elements) of a packed block, unsigned: Q8_0's w + 128 (its
  * sums are corrected by 128 times x's block sum, so that each row's product is one vpdpbusd) */
+static inline int packed_offset(int qtype) { return qtype == T_Q8_0 ? 128 : qtype_zero(qtype); }
+
 static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
     if (qtype == T_Q8_0)
         return _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * q), _mm512_set1_epi8((char)0x80));
@@ -182,25 +182,28 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         const uint8_t *blk = panel + b * bytes;                                                  \
         if (ahead) prefetch_bytes(blk + 4 * bytes, bytes);        /* 4 blocks on */              \
         __m512i i1[ROWS];                                                                        \
-        for (int r = 0; r < ROWS; r++) i1[r] = _mm512_setzero_si512();                           \
+        int32_t sum[ROWS];                          /* x's block sums */                         \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            sum[r] = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];           \
+            i1[r] = _mm512_set1_epi32(-packed_offset(QTYPE) * sum[r]);                           \
+        }                                                                                        \
         for (int q = 0; q < 8; q++) {                                                            \
             const __m512i wv = packed_quad(QTYPE, blk, q);                                       \
             for (int r = 0; r < ROWS; r++)                                                       \
                 i1[r] = _mm512_dpbusd_epi32(i1[r], wv, quad512_of(xq + r * K + 32 * b + 4 * q)); \
         }                                                                                        \
-        for (int r = 0; QTYPE == T_Q8_0 && r < ROWS; r++) {                                      \
-            const int16_t *s = xs + r * (K / 16) + 2 * b;                                        \
-            i1[r] = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(128 * ((int32_t)s[0] + s[1])));    \
-        }                                                                                        \
         __m512 d, dm;                                                                            \
         packed_scales(QTYPE, blk + packed_scales_at(QTYPE), &d, &dm);                            \
         for (int r = 0; r < ROWS; r++) {                                                         \
-            const int16_t *s = xs + r * (K / 16) + 2 * b;                                        \
-            const __m512 dav = _mm512_set1_ps(xd[r * blocks + b]);                               \
-            const __m512 s1 = _mm512_mul_ps(d, dav), s2 = _mm512_mul_ps(dm, dav);                \
-            const __m512 i2 = _mm512_cvtepi32_ps(_mm512_set1_epi32((int32_t)s[0] + (int32_t)s[1])); \
+            const __m512 s1 = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * blocks + b]));              \
+            const __m512 t1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(i1[r]));                      \
+            if (QTYPE != T_Q4_1 && QTYPE != T_I4G) {            /* dm = 0: one product */        \
+                acc[r] = _mm512_add_ps(acc[r], t1);                                              \
+                continue;                                                                        \
+            }                                                                                    \
+            const __m512 s2 = _mm512_mul_ps(dm, _mm512_set1_ps(xd[r * blocks + b]));             \
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(                                        \
-                _mm512_mul_ps(s1, _mm512_cvtepi32_ps(i1[r])), _mm512_mul_ps(s2, i2)));           \
+                t1, _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_set1_epi32(sum[r])))));          \
         }                                                                                        \
     }                                                                                            \
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out[r], acc[r]);                             \

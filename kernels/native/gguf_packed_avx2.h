@@ -19,13 +19,11 @@ static inline void packed_scales8(int qtype, const uint8_t *s, int h, __m256 *d,
     }
     *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 * h)));
     switch (qtype) {
-        case T_Q4_0: *dm = _mm256_mul_ps(_mm256_set1_ps(8.0f), *d); break;
-        case T_Q5_0: *dm = _mm256_mul_ps(_mm256_set1_ps(16.0f), *d); break;
         case T_Q4_1:
             *dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 32 + 16 * h))),
                                 sign);
             break;
-        default: *dm = _mm256_setzero_ps();                                  /* Q8_0 */
+        default: *dm = _mm256_setzero_ps();                        /* Q4_0, Q5_0, Q8_0 */
     }
 }
 
@@ -52,7 +50,11 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         const uint8_t *blk = panel + b * bytes;                                                  \
         if (ahead) prefetch_bytes(blk + 4 * bytes, bytes);        /* 4 blocks on */              \
         __m256i i1[ROWS][2];                                                                     \
-        for (int r = 0; r < ROWS; r++) i1[r][0] = i1[r][1] = _mm256_setzero_si256();             \
+        int32_t sum[ROWS];                          /* x's block sums */                         \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            sum[r] = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];           \
+            i1[r][0] = i1[r][1] = _mm256_set1_epi32(-qtype_zero(QTYPE) * sum[r]);                \
+        }                                                                                        \
         for (int q = 0; q < 8; q++)                                                              \
             for (int h = 0; h < 2; h++) {                                                        \
                 const __m256i wv = packed_quad8(QTYPE, blk, q, h);                               \
@@ -67,13 +69,16 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
             __m256 d, dm;                                                                        \
             packed_scales8(QTYPE, blk + packed_scales_at(QTYPE), h, &d, &dm);                    \
             for (int r = 0; r < ROWS; r++) {                                                     \
-                const int16_t *s = xs + r * (K / 16) + 2 * b;                                    \
                 const __m256 dav = _mm256_set1_ps(xd[r * blocks + b]);                           \
-                const __m256 s1 = _mm256_mul_ps(d, dav), s2 = _mm256_mul_ps(dm, dav);            \
-                const __m256i i2 = _mm256_set1_epi32((int32_t)s[0] + (int32_t)s[1]);             \
+                const __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d, dav),                           \
+                                                _mm256_cvtepi32_ps(i1[r][h]));                   \
+                if (QTYPE != T_Q4_1 && QTYPE != T_I4G) {        /* dm = 0: one product */        \
+                    acc[r][h] = _mm256_add_ps(acc[r][h], t1);                                    \
+                    continue;                                                                    \
+                }                                                                                \
+                const __m256 s2 = _mm256_mul_ps(dm, dav);                                        \
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_sub_ps(                              \
-                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1[r][h])),                             \
-                    _mm256_mul_ps(s2, _mm256_cvtepi32_ps(i2))));                                 \
+                    t1, _mm256_mul_ps(s2, _mm256_cvtepi32_ps(_mm256_set1_epi32(sum[r])))));      \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \

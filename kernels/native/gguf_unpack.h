@@ -10,9 +10,12 @@
  *
  *   da * (d * sum_g sc(g) sum_{e in g} u[e] a[e]  -  dm * sum_g mc(g) s(g))
  *
- * two exact int32 sums and three fp32 products a block. Per type (ggml's layouts; u, d, dm, mc):
- *   Q4_0  nibbles, d, 8d                   Q4_1  nibbles, d, -m
- *   Q5_0  nibble | bit of qh << 4, d, 16d  Q8_0  signed bytes, d, 0
+ * two exact int32 sums and three fp32 products a block. The symmetric types (w = d (u - z)) fold
+ * their zero point into the integer: I1 = sum (u - z) a = sum u a - z s, exact, with dm = 0, so
+ * their term is the one product d da I1 (a body may skip the dm term: it adds an exact zero).
+ * Per type (ggml's layouts; u, d, dm, z, mc):
+ *   Q4_0  nibbles, d, 0, z 8               Q4_1  nibbles, d, -m
+ *   Q5_0  nibble | bit of qh << 4, d, 0, z 16   Q8_0  signed bytes, d, 0
  *   Q4_K  nibbles, d, dmin; sc, mc 6-bit   Q5_K  as Q4_K with a 5th bit from qh
  *   Q6_K  4 bits of ql | 2 of qh << 4, d, 32d; sc = mc = the group's int8 scale
  *   I4G   nibbles, fp32 d, -m (fp32)
@@ -80,7 +83,7 @@ static inline void nibbles32(const uint8_t *qs, uint8_t *u) {
 static void unpack_q4_0(const uint8_t *row, int64_t K, unpacked_row *o) {
     for (int64_t b = 0; b < K / 32; b++, row += 18) {
         o->d[b] = load_half(row);
-        o->dm[b] = 8.0f * o->d[b];
+        o->dm[b] = 0.0f;                                      /* z = 8 */
         nibbles32(row + 2, o->u + 32 * b);
     }
 }
@@ -108,7 +111,7 @@ static void unpack_q5_0(const uint8_t *row, int64_t K, unpacked_row *o) {
         uint32_t qh;
         memcpy(&qh, row + 2, 4);
         o->d[b] = load_half(row);
-        o->dm[b] = 16.0f * o->d[b];
+        o->dm[b] = 0.0f;                                      /* z = 16 */
         uint8_t *u = o->u + 32 * b;
 #ifdef __AVX2__
         _mm256_storeu_si256((__m256i *)u, _mm256_or_si256(
@@ -198,20 +201,27 @@ static void unpack_q6_k(const uint8_t *row, int64_t K, unpacked_row *o) {
 
 typedef void (*unpack_fn)(const uint8_t *row, int64_t K, unpacked_row *o);
 
+/* z of a 32-element type (qtype_info's zero, as a constant where the type is one) */
+static inline int qtype_zero(int qtype) {
+    return qtype == T_Q4_0 ? 8 : qtype == T_Q5_0 ? 16 : 0;
+}
+
 typedef struct {
     int block;        /* elements a block */
     int bytes;        /* bytes a block */
     int kquant;       /* groups of 16 with their own sc / mc */
     int signed_u;     /* u is a signed byte (Q8_0) */
+    int zero;         /* z, subtracted from u inside the integer sum (0: none) */
     unpack_fn unpack;
 } qtype_info;
 
 /* NULL for a type we do not run */
 static inline const qtype_info *qtype_lookup(int qtype) {
-    static const qtype_info q4_0 = {32, 18, 0, 0, unpack_q4_0}, q4_1 = {32, 20, 0, 0, unpack_q4_1},
-        q5_0 = {32, 22, 0, 0, unpack_q5_0}, q8_0 = {32, 34, 0, 1, unpack_q8_0},
-        q4_k = {256, 144, 1, 0, unpack_q4_k}, q5_k = {256, 176, 1, 0, unpack_q5_k},
-        q6_k = {256, 210, 1, 0, unpack_q6_k}, i4g = {32, 24, 0, 0, unpack_i4g};
+    static const qtype_info q4_0 = {32, 18, 0, 0, 8, unpack_q4_0},
+        q4_1 = {32, 20, 0, 0, 0, unpack_q4_1}, q5_0 = {32, 22, 0, 0, 16, unpack_q5_0},
+        q8_0 = {32, 34, 0, 1, 0, unpack_q8_0}, q4_k = {256, 144, 1, 0, 0, unpack_q4_k},
+        q5_k = {256, 176, 1, 0, 0, unpack_q5_k}, q6_k = {256, 210, 1, 0, 0, unpack_q6_k},
+        i4g = {32, 24, 0, 0, 0, unpack_i4g};
     switch (qtype) {
         case T_Q4_0: return &q4_0;
         case T_Q4_1: return &q4_1;

@@ -159,7 +159,11 @@ static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const 
             }                                                                                    \
             for (int r = 0; r < ROWS; r++) {                                                     \
                 const int16_t *s = xs + r * (K / 16) + 2 * b;                                    \
-                i2[r][0] = i2[r][1] = _mm256_set1_epi32((int32_t)s[0] + (int32_t)s[1]);          \
+                const int32_t sum = (int32_t)s[0] + (int32_t)s[1];                               \
+                const __m256i z = _mm256_set1_epi32(info->zero * sum);                           \
+                i1[r][0] = _mm256_sub_epi32(i1[r][0], z);                                        \
+                i1[r][1] = _mm256_sub_epi32(i1[r][1], z);                                        \
+                i2[r][0] = i2[r][1] = _mm256_set1_epi32(sum);                                    \
             }                                                                                    \
         } else {                                                                                 \
             for (int64_t g = 16 * b; g < 16 * b + 16; g++) {                                     \

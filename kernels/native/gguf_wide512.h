@@ -42,7 +42,9 @@ static inline __m512i signed_dot512(__m512i acc, __m512i w, __m512i x) {
     }                                                                                            \
     for (int r = 0; r < ROWS; r++) {                                                             \
         const int16_t *s = xs + r * (K / 16) + 2 * b;                                            \
-        i2[r] = _mm512_set1_epi32((int32_t)s[0] + (int32_t)s[1]);                                \
+        const int32_t sum = (int32_t)s[0] + (int32_t)s[1];                                       \
+        i1[r] = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(info->zero * sum));                    \
+        i2[r] = _mm512_set1_epi32(sum);                                                          \
     }
 
 /* the k-quants: one super-block's integer sums, group scales by vpmaddwd */

@@ -158,8 +158,8 @@ static inline __m128 terms4(const panel *w, int64_t b, float da, __m128i i1, __m
     return _mm_sub_ps(_mm_mul_ps(s1, _mm_cvtepi32_ps(i1)), _mm_mul_ps(s2, _mm_cvtepi32_ps(i2)));
 }
 
-static void dot_panel_32(const panel *w, int signed_u, const int8_t *xq, const float *xd,
-                         const int16_t *xs, int64_t K, float out[PANEL]) {
+static void dot_panel_32(const panel *w, int signed_u, int zero, const int8_t *xq,
+                         const float *xd, const int16_t *xs, int64_t K, float out[PANEL]) {
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++) {
         const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
@@ -169,9 +169,9 @@ static void dot_panel_32(const panel *w, int signed_u, const int8_t *xq, const f
             v[r] = signed_u ? DOT_U8S8(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))
                             : DOT_U8S8(u, a);
         }
-        const __m128i i1 = hsum4(v[0], v[1], v[2], v[3]);
-        const __m128i i2 = _mm_set1_epi32((int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1]);
-        acc = _mm_add_ps(acc, terms4(w, b, xd[b], i1, i2));
+        const int32_t s = (int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1];
+        const __m128i i1 = _mm_sub_epi32(hsum4(v[0], v[1], v[2], v[3]), _mm_set1_epi32(zero * s));
+        acc = _mm_add_ps(acc, terms4(w, b, xd[b], i1, _mm_set1_epi32(s)));
     }
     _mm_storeu_ps(out, acc);
 }
@@ -200,16 +200,16 @@ static void dot_panel_k(const panel *w, const int8_t *xq, const float *xd,
     _mm_storeu_ps(out, acc);
 }
 #else
-static void dot_panel_32(const panel *w, int signed_u, const int8_t *xq, const float *xd,
-                         const int16_t *xs, int64_t K, float out[PANEL]) {
+static void dot_panel_32(const panel *w, int signed_u, int zero, const int8_t *xq,
+                         const float *xd, const int16_t *xs, int64_t K, float out[PANEL]) {
     for (int r = 0; r < PANEL; r++) {
         float acc = 0.0f;
         for (int64_t b = 0; b < K / 32; b++) {
-            int32_t i1 = 0;
+            const int32_t s = (int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1];
+            int32_t i1 = -zero * s;
             for (int e = 32 * b; e < 32 * b + 32; e++)
                 i1 += (signed_u ? (int32_t)(int8_t)w->rows[r].u[e] : (int32_t)w->rows[r].u[e]) * xq[e];
-            acc += block_term(w->d[PANEL * b + r], w->dm[PANEL * b + r], xd[b], i1,
-                              (int32_t)xs[2 * b] + (int32_t)xs[2 * b + 1]);
+            acc += block_term(w->d[PANEL * b + r], w->dm[PANEL * b + r], xd[b], i1, s);
         }
         out[r] = acc;
     }
@@ -370,7 +370,7 @@ static void linear_task(void *ctx, int64_t task) {
             if (info->kquant)
                 dot_panel_k(&w, xq, xd, xs, K, out);
             else
-                dot_panel_32(&w, info->signed_u, xq, xd, xs, K, out);
+                dot_panel_32(&w, info->signed_u, info->zero, xq, xd, xs, K, out);
             memcpy(job->y + t * job->ldy + n0, out, sizeof(float) * (size_t)live);
         }
     }
