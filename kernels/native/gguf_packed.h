@@ -157,6 +157,7 @@ static inline void packed_scales(int qtype, const uint8_t *s, __m512 *d, __m512 
 /* quad q's 64 bytes (16 columns x 4 elements) of a packed block, unsigned: Q8_0's w + 128 (its
  * sums are corrected by 128 times x's block sum, so that each row's product is one vpdpbusd) */
 static inline int packed_offset(int qtype) { return qtype == T_Q8_0 ? 128 : qtype_zero(qtype); }
+/* (gguf_packed_avx2.h: z alone, its Q8_0 multiplies signed bytes) */
 
 static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
     if (qtype == T_Q8_0)
@@ -173,7 +174,8 @@ static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
 
 #define DEFINE_PACKED_ROWS(NAME, QTYPE, ROWS)                                                    \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
+                 const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
+                 int ahead) {                                                                    \
     const qtype_info *info = qtype_lookup(QTYPE);                                                \
     const int64_t blocks = K / 32, bytes = packed_block_bytes(QTYPE);                            \
     __m512 acc[ROWS];                                                                            \
@@ -181,12 +183,10 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
     for (int64_t b = 0; b < blocks; b++) {                                                       \
         const uint8_t *blk = panel + b * bytes;                                                  \
         if (ahead) prefetch_bytes(blk + 4 * bytes, bytes);        /* 4 blocks on */              \
-        __m512i i1[ROWS];                                                                        \
-        int32_t sum[ROWS];                          /* x's block sums */                         \
-        for (int r = 0; r < ROWS; r++) {                                                         \
-            sum[r] = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];           \
-            i1[r] = _mm512_set1_epi32(-packed_offset(QTYPE) * sum[r]);                           \
-        }                                                                                        \
+        __m512i i1[ROWS];                           /* from -offset s: xz */                     \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            i1[r] = packed_offset(QTYPE) ? _mm512_set1_epi32(xz[r * blocks + b])                 \
+                                         : _mm512_setzero_si512();                               \
         for (int q = 0; q < 8; q++) {                                                            \
             const __m512i wv = packed_quad(QTYPE, blk, q);                                       \
             for (int r = 0; r < ROWS; r++)                                                       \
@@ -202,8 +202,9 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
                 continue;                                                                        \
             }                                                                                    \
             const __m512 s2 = _mm512_mul_ps(dm, _mm512_set1_ps(xd[r * blocks + b]));             \
+            const int32_t sum = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1]; \
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(                                        \
-                t1, _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_set1_epi32(sum[r])))));          \
+                t1, _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_set1_epi32(sum)))));             \
         }                                                                                        \
     }                                                                                            \
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out[r], acc[r]);                             \
@@ -211,7 +212,8 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
 
 /* ahead: prefetch the weights (the first pass of rows over a panel; the others find them cached) */
 typedef void (*packed_rows_fn)(const uint8_t *, int64_t, const int8_t *, const float *,
-                               const int16_t *, float[PACKED_ROWS][PACKED_COLS], int);
+                               const int16_t *, const int32_t *, float[PACKED_ROWS][PACKED_COLS],
+                               int);
 
 #define DEFINE_PACKED_TYPE(T, QTYPE)                                                             \
     DEFINE_PACKED_ROWS(packed_##T##_1, QTYPE, 1)                                                 \
@@ -250,6 +252,20 @@ DEFINE_PACKED_K_TYPE(q6_k, T_Q6_K)
 #endif
 
 #if PACKED_SUPPORTED
+/* xz[t][b] = -offset * (row t's sum over block b), what each row's integer sum starts from: read
+ * from memory, a broadcast costs a packed body less than one from a computed scalar. NULL for
+ * the types without an offset, or without memory (the caller then fails). */
+static const int32_t *packed_offsets(int qtype, const int16_t *xs, int64_t m, int64_t k) {
+    static __thread thread_buffer storage;
+    const int offset = packed_offset(qtype);
+    if (!offset || qtype_lookup(qtype)->kquant) return NULL;
+    int32_t *xz = thread_buffer_get(&storage, m * (k / 32) * 4);
+    if (xz == NULL) return NULL;
+    for (int64_t i = 0; i < m * (k / 32); i++)
+        xz[i] = -offset * ((int32_t)xs[2 * i] + xs[2 * i + 1]);
+    return xz;
+}
+
 static const packed_rows_fn *packed_rows_for(int qtype) {
     switch (qtype) {
         case T_Q4_K: return packed_q4_k;
@@ -279,7 +295,8 @@ static void packed_task(void *ctx, int64_t task) {
         for (int64_t t = 0; t < job->m; t += PACKED_ROWS) {
             const int64_t rows = job->m - t < PACKED_ROWS ? job->m - t : PACKED_ROWS;
             rows_fn[rows - 1](job->w + p * job->w_stride, K, job->xq + t * K,
-                              job->xd + t * blocks, job->xs + t * (K / 16), out, t == 0);
+                              job->xd + t * blocks, job->xs + t * (K / 16),
+                              job->xz ? job->xz + t * blocks : NULL, out, t == 0);
             for (int64_t r = 0; r < rows; r++)
                 memcpy(job->y + (t + r) * job->ldy + n0, out[r], sizeof(float) * (size_t)live);
         }
@@ -371,7 +388,9 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     int16_t *xs;
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
     linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
-                      xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0};
+                      xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
+    job.xz = packed_offsets(qtype, xs, m, k);
+    if (job.xz == NULL && packed_offset(qtype) && !info->kquant) return -2;
     job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
     if (job.panels_per_task < 1) job.panels_per_task = 1;
     task_fn run = packed_task;

@@ -7,6 +7,9 @@
 #define PAGEDSERVE_GGUF_PACKED_AVX2_H
 
 #define PACKED_ROWS 4
+
+/* what each row's integer sum starts from, times -s: z (its Q8_0 multiplies signed bytes) */
+static inline int packed_offset(int qtype) { return qtype_zero(qtype); }
 #define PACKED_WIDE_MIN_ROWS 8   /* from here on, packed_to_wide + gguf_wide.h's passes */
 
 /* d and dm of columns 8h .. 8h + 7, as the unpack_* functions derive them */
@@ -42,19 +45,18 @@ static inline __m256i packed_quad8(int qtype, const uint8_t *blk, int q, int h) 
 
 #define DEFINE_PACKED8_ROWS(NAME, QTYPE, ROWS)                                                   \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
+                 const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
+                 int ahead) {                                                                    \
     const int64_t blocks = K / 32, bytes = packed_block_bytes(QTYPE);                            \
     __m256 acc[ROWS][2];                                                                         \
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
     for (int64_t b = 0; b < blocks; b++) {                                                       \
         const uint8_t *blk = panel + b * bytes;                                                  \
         if (ahead) prefetch_bytes(blk + 4 * bytes, bytes);        /* 4 blocks on */              \
-        __m256i i1[ROWS][2];                                                                     \
-        int32_t sum[ROWS];                          /* x's block sums */                         \
-        for (int r = 0; r < ROWS; r++) {                                                         \
-            sum[r] = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];           \
-            i1[r][0] = i1[r][1] = _mm256_set1_epi32(-qtype_zero(QTYPE) * sum[r]);                \
-        }                                                                                        \
+        __m256i i1[ROWS][2];                        /* from -z s: xz */                          \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            i1[r][0] = i1[r][1] = packed_offset(QTYPE) ? _mm256_set1_epi32(xz[r * blocks + b])    \
+                                                    : _mm256_setzero_si256();                    \
         for (int q = 0; q < 8; q++)                                                              \
             for (int h = 0; h < 2; h++) {                                                        \
                 const __m256i wv = packed_quad8(QTYPE, blk, q, h);                               \
@@ -77,8 +79,10 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
                     continue;                                                                    \
                 }                                                                                \
                 const __m256 s2 = _mm256_mul_ps(dm, dav);                                        \
+                const int32_t sum = (int32_t)xs[r * (K / 16) + 2 * b]                            \
+                                    + xs[r * (K / 16) + 2 * b + 1];                              \
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_sub_ps(                              \
-                    t1, _mm256_mul_ps(s2, _mm256_cvtepi32_ps(_mm256_set1_epi32(sum[r])))));      \
+                    t1, _mm256_mul_ps(s2, _mm256_cvtepi32_ps(_mm256_set1_epi32(sum)))));         \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
@@ -130,7 +134,9 @@ static inline void packed_k_scales8(int qtype, const uint8_t *blk, int h, __m256
 
 #define DEFINE_PACKED8_K_ROWS(NAME, QTYPE, ROWS)                                                 \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
+                 const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
+                 int ahead) {                                                                    \
+    (void)xz;                                       /* no offsets: the mins' term holds s */     \
     const int64_t blocks = K / 256, bytes = packed_block_bytes(QTYPE);                           \
     __m256 acc[ROWS][2];                                                                         \
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
@@ -177,7 +183,8 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
 }
 
 typedef void (*packed_rows_fn)(const uint8_t *, int64_t, const int8_t *, const float *,
-                               const int16_t *, float[PACKED_ROWS][PACKED_COLS], int);
+                               const int16_t *, const int32_t *, float[PACKED_ROWS][PACKED_COLS],
+                               int);
 
 #define DEFINE_PACKED8_TYPE(T, QTYPE)                                                            \
     DEFINE_PACKED8_ROWS(packed_##T##_1, QTYPE, 1)                                                \

@@ -134,7 +134,9 @@ static inline void packed_k_scales(int qtype, const uint8_t *blk, __m512 *d, __m
  * quad where vpmaddubsw + vpmaddwd took two (the same integers, so the same bits). */
 #define DEFINE_PACKED_K_ROWS(NAME, QTYPE, ROWS)                                                  \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
-                 const int16_t *xs, float out[PACKED_ROWS][PACKED_COLS], int ahead) {            \
+                 const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
+                 int ahead) {                                                                    \
+    (void)xz;                                       /* no offsets: the mins' term holds s */     \
     const int64_t blocks = K / 256, bytes = packed_block_bytes(QTYPE);                           \
     const int SPAN = QTYPE == T_Q6_K ? 1 : 2;                                                    \
     __m512 acc[ROWS];                                                                            \

@@ -252,6 +252,7 @@ typedef struct {
     float *y;
     int64_t ldy, panels_per_task, num_panels;
     int failed;        /* a task could not allocate its rows */
+    const int32_t *xz; /* packed 32-element types: each row's block sums times -offset */
 } linear_job;
 
 /* The calling thread's panel for K columns (grown, never shrunk); -1 if it cannot be allocated */
