@@ -154,11 +154,12 @@ static inline void packed_scales(int qtype, const uint8_t *s, __m512 *d, __m512 
     }
 }
 
+/* What each row's block sum starts from, times -s (xz): z, or Q8_0's 128 as its quads are read
+ * as w + 128 (gguf_packed_avx2.h: z alone, its Q8_0 multiplies signed bytes) */
+static inline int packed_offset(int qtype) { return qtype == T_Q8_0 ? 128 : qtype_zero(qtype); }
+
 /* quad q's 64 bytes (16 columns x 4 elements) of a packed block, unsigned: Q8_0's w + 128 (its
  * sums are corrected by 128 times x's block sum, so that each row's product is one vpdpbusd) */
-static inline int packed_offset(int qtype) { return qtype == T_Q8_0 ? 128 : qtype_zero(qtype); }
-/* (gguf_packed_avx2.h: z alone, its Q8_0 multiplies signed bytes) */
-
 static inline __m512i packed_quad(int qtype, const uint8_t *blk, int q) {
     if (qtype == T_Q8_0)
         return _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * q), _mm512_set1_epi8((char)0x80));
