@@ -254,12 +254,11 @@ DEFINE_PACKED_K_TYPE(q6_k, T_Q6_K)
 
 #if PACKED_SUPPORTED
 /* xz[t][b] = -offset * (row t's sum over block b), what each row's integer sum starts from: read
- * from memory, a broadcast costs a packed body less than one from a computed scalar. NULL for
- * the types without an offset, or without memory (the caller then fails). */
+ * from memory, a broadcast costs a packed body less than one from a computed scalar. For the
+ * types with an offset (Q4_0, Q5_0, Q8_0); NULL without memory. */
 static const int32_t *packed_offsets(int qtype, const int16_t *xs, int64_t m, int64_t k) {
     static __thread thread_buffer storage;
     const int offset = packed_offset(qtype);
-    if (!offset || qtype_lookup(qtype)->kquant) return NULL;
     int32_t *xz = thread_buffer_get(&storage, m * (k / 32) * 4);
     if (xz == NULL) return NULL;
     for (int64_t i = 0; i < m * (k / 32); i++)
@@ -390,14 +389,16 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
     linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
                       xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
-    job.xz = packed_offsets(qtype, xs, m, k);
-    if (job.xz == NULL && packed_offset(qtype) && !info->kquant) return -2;
     job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
     if (job.panels_per_task < 1) job.panels_per_task = 1;
     task_fn run = packed_task;
 #ifdef PACKED_WIDE_MIN_ROWS
     if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;
 #endif
+    if (run == packed_task && packed_offset(qtype)) {   /* the wide passes sum from zero */
+        job.xz = packed_offsets(qtype, xs, m, k);
+        if (job.xz == NULL) return -2;
+    }
     pa_run_tasks(threads, run, &job,
                  (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
     return job.failed ? -2 : 0;

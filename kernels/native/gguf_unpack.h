@@ -202,8 +202,9 @@ static void unpack_q6_k(const uint8_t *row, int64_t K, unpacked_row *o) {
 typedef void (*unpack_fn)(const uint8_t *row, int64_t K, unpacked_row *o);
 
 /* z of a 32-element type (qtype_info's zero, as a constant where the type is one) */
+enum { Q4_0_ZERO = 8, Q5_0_ZERO = 16 };
 static inline int qtype_zero(int qtype) {
-    return qtype == T_Q4_0 ? 8 : qtype == T_Q5_0 ? 16 : 0;
+    return qtype == T_Q4_0 ? Q4_0_ZERO : qtype == T_Q5_0 ? Q5_0_ZERO : 0;
 }
 
 typedef struct {
@@ -217,8 +218,8 @@ typedef struct {
 
 /* NULL for a type we do not run */
 static inline const qtype_info *qtype_lookup(int qtype) {
-    static const qtype_info q4_0 = {32, 18, 0, 0, 8, unpack_q4_0},
-        q4_1 = {32, 20, 0, 0, 0, unpack_q4_1}, q5_0 = {32, 22, 0, 0, 16, unpack_q5_0},
+    static const qtype_info q4_0 = {32, 18, 0, 0, Q4_0_ZERO, unpack_q4_0},
+        q4_1 = {32, 20, 0, 0, 0, unpack_q4_1}, q5_0 = {32, 22, 0, 0, Q5_0_ZERO, unpack_q5_0},
         q8_0 = {32, 34, 0, 1, 0, unpack_q8_0}, q4_k = {256, 144, 1, 0, 0, unpack_q4_k},
         q5_k = {256, 176, 1, 0, 0, unpack_q5_k}, q6_k = {256, 210, 1, 0, 0, unpack_q6_k},
         i4g = {32, 24, 0, 0, 0, unpack_i4g};
