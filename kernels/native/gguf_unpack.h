@@ -213,16 +213,18 @@ typedef struct {
     int kquant;       /* groups of 16 with their own sc / mc */
     int signed_u;     /* u is a signed byte (Q8_0) */
     int zero;         /* z, subtracted from u inside the integer sum (0: none) */
+    int sums16;       /* vpmaddubsw results (each 2 u a, |a| <= 127) an int16 lane holds exactly:
+                         32767 / (2 * 127 * max u); 1 for Q8_0, whose sign moves onto a */
     unpack_fn unpack;
 } qtype_info;
 
 /* NULL for a type we do not run */
 static inline const qtype_info *qtype_lookup(int qtype) {
-    static const qtype_info q4_0 = {32, 18, 0, 0, Q4_0_ZERO, unpack_q4_0},
-        q4_1 = {32, 20, 0, 0, 0, unpack_q4_1}, q5_0 = {32, 22, 0, 0, Q5_0_ZERO, unpack_q5_0},
-        q8_0 = {32, 34, 0, 1, 0, unpack_q8_0}, q4_k = {256, 144, 1, 0, 0, unpack_q4_k},
-        q5_k = {256, 176, 1, 0, 0, unpack_q5_k}, q6_k = {256, 210, 1, 0, 0, unpack_q6_k},
-        i4g = {32, 24, 0, 0, 0, unpack_i4g};
+    static const qtype_info q4_0 = {32, 18, 0, 0, Q4_0_ZERO, 8, unpack_q4_0},
+        q4_1 = {32, 20, 0, 0, 0, 8, unpack_q4_1}, q5_0 = {32, 22, 0, 0, Q5_0_ZERO, 4, unpack_q5_0},
+        q8_0 = {32, 34, 0, 1, 0, 1, unpack_q8_0}, q4_k = {256, 144, 1, 0, 0, 8, unpack_q4_k},
+        q5_k = {256, 176, 1, 0, 0, 4, unpack_q5_k}, q6_k = {256, 210, 1, 0, 0, 2, unpack_q6_k},
+        i4g = {32, 24, 0, 0, 0, 8, unpack_i4g};
     switch (qtype) {
         case T_Q4_0: return &q4_0;
         case T_Q4_1: return &q4_1;

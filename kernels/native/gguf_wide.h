@@ -10,7 +10,7 @@
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE_ROWS 6    /* rows of x a pass: a panel's 16 columns are one zmm */
 #else
-#define WIDE_ROWS 3    /* rows of x a pass */
+#define WIDE_ROWS 4    /* rows of x a pass: one half of a panel (8 columns) at a time */
 #endif
 
 typedef struct {
@@ -110,102 +110,7 @@ static void wide_unpack(const qtype_info *info, const uint8_t *w, int64_t stride
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "gguf_wide512.h"
 #else
-static inline __m256i quad_of(const int8_t *x) {
-    int32_t quad;
-    memcpy(&quad, x, 4);
-    return _mm256_set1_epi32(quad);
-}
-
-/* acc[r][h] += the block's terms for the 8 columns of half h */
-static inline void wide_terms(__m256 acc[2], const wide_panel *p, int64_t b, float da,
-                              const __m256i i1[2], const __m256i i2[2]) {
-    const __m256 dav = _mm256_set1_ps(da);
-    for (int h = 0; h < 2; h++) {
-        const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(p->d + b * WIDE + 8 * h), dav);
-        const __m256 s2 = _mm256_mul_ps(_mm256_loadu_ps(p->dm + b * WIDE + 8 * h), dav);
-        acc[h] = _mm256_add_ps(acc[h], _mm256_sub_ps(_mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1[h])),
-                                                     _mm256_mul_ps(s2, _mm256_cvtepi32_ps(i2[h]))));
-    }
-}
-
-#define DEFINE_WIDE_ROWS(ROWS)                                                                   \
-static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const int8_t *xq,     \
-                             const float *xd, const int16_t *xs, int64_t K,                      \
-                             float out[WIDE_ROWS][WIDE]) {                                       \
-    const int64_t B = info->block, blocks = K / B;                                                \
-    __m256 acc[ROWS][2];                                                                         \
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
-    for (int64_t b = 0; b < blocks; b++) {                                                       \
-        __m256i i1[ROWS][2], i2[ROWS][2];                                                        \
-        for (int r = 0; r < ROWS; r++)                                                           \
-            i1[r][0] = i1[r][1] = i2[r][0] = i2[r][1] = _mm256_setzero_si256();                  \
-        if (!info->kquant) {                                                                     \
-            for (int q = 0; q < 8; q++) {                                                        \
-                const uint8_t *wb = p->wq + (b * 8 + q) * WIDE * 4;                              \
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wb);                      \
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 32));               \
-                for (int r = 0; r < ROWS; r++) {                                                 \
-                    const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * q);                     \
-                    if (info->signed_u) {                                                        \
-                        i1[r][0] = DOT_U8S8_ACC(i1[r][0], _mm256_abs_epi8(w0),                   \
-                                                _mm256_sign_epi8(xv, w0));                       \
-                        i1[r][1] = DOT_U8S8_ACC(i1[r][1], _mm256_abs_epi8(w1),                   \
-                                                _mm256_sign_epi8(xv, w1));                       \
-                    } else {                                                                     \
-                        i1[r][0] = DOT_U8S8_ACC(i1[r][0], w0, xv);                               \
-                        i1[r][1] = DOT_U8S8_ACC(i1[r][1], w1, xv);                               \
-                    }                                                                            \
-                }                                                                                \
-            }                                                                                    \
-            for (int r = 0; r < ROWS; r++) {                                                     \
-                const int16_t *s = xs + r * (K / 16) + 2 * b;                                    \
-                const int32_t sum = (int32_t)s[0] + (int32_t)s[1];                               \
-                const __m256i z = _mm256_set1_epi32(info->zero * sum);                           \
-                i1[r][0] = _mm256_sub_epi32(i1[r][0], z);                                        \
-                i1[r][1] = _mm256_sub_epi32(i1[r][1], z);                                        \
-                i2[r][0] = i2[r][1] = _mm256_set1_epi32(sum);                                    \
-            }                                                                                    \
-        } else {                                                                                 \
-            for (int64_t g = 16 * b; g < 16 * b + 16; g++) {                                     \
-                const __m256i sc0 = _mm256_loadu_si256((const __m256i *)(p->sc + g * WIDE * 2)); \
-                const __m256i sc1 = _mm256_loadu_si256(                                          \
-                    (const __m256i *)(p->sc + g * WIDE * 2 + 16));                               \
-                const __m256i mc0 = _mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE));     \
-                const __m256i mc1 = _mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE + 8)); \
-                for (int q = 0; q < 4; q++) {                                                    \
-                    const uint8_t *wb = p->wq + (g * 4 + q) * WIDE * 4;                          \
-                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)wb);                  \
-                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 32));           \
-                    for (int r = 0; r < ROWS; r++) {                                             \
-                        const __m256i xv = quad_of(xq + r * K + 16 * g + 4 * q);                 \
-                        i1[r][0] = _mm256_add_epi32(i1[r][0], _mm256_madd_epi16(                 \
-                            _mm256_maddubs_epi16(w0, xv), sc0));                                 \
-                        i1[r][1] = _mm256_add_epi32(i1[r][1], _mm256_madd_epi16(                 \
-                            _mm256_maddubs_epi16(w1, xv), sc1));                                 \
-                    }                                                                            \
-                }                                                                                \
-                for (int r = 0; r < ROWS; r++) {                                                 \
-                    const __m256i sv = _mm256_set1_epi32(xs[r * (K / 16) + g]);                  \
-                    i2[r][0] = _mm256_add_epi32(i2[r][0], _mm256_mullo_epi32(mc0, sv));          \
-                    i2[r][1] = _mm256_add_epi32(i2[r][1], _mm256_mullo_epi32(mc1, sv));          \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        for (int r = 0; r < ROWS; r++)                                                           \
-            wide_terms(acc[r], p, b, xd[r * blocks + b], i1[r], i2[r]);                          \
-    }                                                                                            \
-    for (int r = 0; r < ROWS; r++) {                                                             \
-        _mm256_storeu_ps(out[r], acc[r][0]);                                                     \
-        _mm256_storeu_ps(out[r] + 8, acc[r][1]);                                                 \
-    }                                                                                            \
-}
-DEFINE_WIDE_ROWS(1)
-DEFINE_WIDE_ROWS(2)
-DEFINE_WIDE_ROWS(3)
-typedef void (*wide_rows_t)(const wide_panel *, const qtype_info *, const int8_t *, const float *,
-                            const int16_t *, int64_t, float[WIDE_ROWS][WIDE]);
-static const wide_rows_t wide_rows_fn[WIDE_ROWS] = {wide_rows_1, wide_rows_2, wide_rows_3};
-
+#include "gguf_wide_avx2.h"
 #endif
 
 /* y[t][n0 .. n0 + live) for every row t of x, one wide panel */

@@ -238,3 +238,34 @@ def test_a_packed_weight_on_a_build_without_the_body_is_refused_by_name(rng):
     with native.use_variant("portable"):
         with pytest.raises(RuntimeError, match="packed weight"):
             gl.linear(activations(1, 64, rng), packed)
+
+
+def _largest_weight(qtype: QType, n: int, k: int, rng: torch.Generator) -> QuantizedWeight:
+    """Every weight byte at its largest magnitude (u at its type's maximum; Q8_0's -127), the
+    scales as random_weight makes them: the integer sums as large as the type allows."""
+    w = random_weight(qtype, n, k, rng, extreme=False)
+    elements, nbytes = BLOCKS[qtype]
+    raw = w.data.view(n, k // elements, nbytes).clone()
+    keep = torch.zeros(nbytes, dtype=torch.bool)
+    for offset in ([0, 4] if qtype == QType.I4G else SCALES[qtype]):
+        keep[offset:offset + (4 if qtype == QType.I4G else 2)] = True
+    raw[..., ~keep] = 0x81 if qtype == QType.Q8_0 else 0xFF
+    return QuantizedWeight(qtype, raw.view(n, -1).contiguous(), k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_largest_integer_sums_are_exact_in_every_build(qtype, rng):
+    """AVX2 adds several vpmaddubsw results in int16 lanes before it widens (sums16 in
+    gguf_unpack.h): with every u at its maximum and every x at +-127, no lane may saturate or
+    wrap. Raw rows and packed panels, the panel passes' row counts, against the portable C."""
+    k = 512
+    w = _largest_weight(qtype, 19, k, rng)
+    x = torch.ones(13, k)
+    x[1::2] = -1.0                                  # x quantizes to +127 and -127 rows
+    _same_bits_everywhere([w], x)
+    with native.use_variant("portable"):
+        want = gl.linear(x, w, threads=1).nan_to_num(7.0)
+    for variant in _packing_variants(qtype) if gl.packing_supported() else []:
+        with native.use_variant(variant):
+            got = gl.linear(x, gl.pack(w), threads=1).nan_to_num(7.0)
+        assert torch.equal(got, want), variant
