@@ -11,6 +11,9 @@
 /* what each row's integer sum starts from, times -s: z (its Q8_0 multiplies signed bytes) */
 static inline int packed_offset(int qtype) { return qtype_zero(qtype); }
 #define PACKED_WIDE_MIN_ROWS 8   /* from here on, packed_to_wide + gguf_wide.h's passes */
+/* quads a run adds in int16 lanes (gguf_wide_avx2.h's RUN_ADD): Q8_0's signed products fill an
+ * int16 lane alone */
+#define PACKED_RUN(QTYPE) ((QTYPE) == T_Q8_0 ? 1 : RUN_MAX)
 
 /* d and dm of columns 8h .. 8h + 7, as the unpack_* functions derive them */
 static inline void packed_scales8(int qtype, const uint8_t *s, int h, __m256 *d, __m256 *dm) {
@@ -57,14 +60,20 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         for (int r = 0; r < ROWS; r++)                                                           \
             i1[r][0] = i1[r][1] = packed_offset(QTYPE) ? _mm256_set1_epi32(xz[r * blocks + b])    \
                                                     : _mm256_setzero_si256();                    \
-        for (int q = 0; q < 8; q++)                                                              \
+        for (int q0 = 0; q0 < 8; q0 += PACKED_RUN(QTYPE))                                        \
             for (int h = 0; h < 2; h++) {                                                        \
-                const __m256i wv = packed_quad8(QTYPE, blk, q, h);                               \
-                const __m256i wa = QTYPE == T_Q8_0 ? _mm256_abs_epi8(wv) : wv;                   \
+                __m256i w[4], u[4];                                                              \
+                for (int q = 0; q < PACKED_RUN(QTYPE); q++) {                                    \
+                    w[q] = packed_quad8(QTYPE, blk, q0 + q, h);                                  \
+                    u[q] = QTYPE == T_Q8_0 ? _mm256_abs_epi8(w[q]) : w[q];                       \
+                }                                                                                \
                 for (int r = 0; r < ROWS; r++) {                                                 \
-                    const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * q);                     \
-                    i1[r][h] = DOT_U8S8_ACC(i1[r][h], wa, QTYPE == T_Q8_0                        \
-                                            ? _mm256_sign_epi8(xv, wv) : xv);                    \
+                    __m256i t = _mm256_setzero_si256();                                          \
+                    for (int q = 0; q < PACKED_RUN(QTYPE); q++) {                                \
+                        const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * (q0 + q));          \
+                        t = RUN_ADD(t, u[q], QTYPE == T_Q8_0 ? _mm256_sign_epi8(xv, w[q]) : xv); \
+                    }                                                                            \
+                    i1[r][h] = _mm256_add_epi32(i1[r][h], RUN_WIDEN(t));                         \
                 }                                                                                \
             }                                                                                    \
         for (int h = 0; h < 2; h++) {                                                            \
@@ -132,6 +141,9 @@ static inline void packed_k_scales8(int qtype, const uint8_t *blk, int h, __m256
     *dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN + 16 * h)));
 }
 
+/* quads a k-quant run adds in int16 lanes: Q6_K's u reach 63, so two (qtype_info's sums16) */
+#define PACKED_K_RUN(QTYPE) ((QTYPE) == T_Q6_K ? 2 : 4)
+
 #define DEFINE_PACKED8_K_ROWS(NAME, QTYPE, ROWS)                                                 \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
@@ -145,23 +157,30 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
         __m256i i1[ROWS][2], i2[ROWS][2];                                                        \
         for (int r = 0; r < ROWS; r++)                                                           \
             i1[r][0] = i1[r][1] = i2[r][0] = i2[r][1] = _mm256_setzero_si256();                  \
-        for (int g = 0; g < 16; g++) {                                                           \
-            __m256i sc[2], mc[2];                                                                \
-            if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 16 + 64);        \
-            packed_k_group8(QTYPE, blk, g, 0, &sc[0], &mc[0]);                                   \
-            packed_k_group8(QTYPE, blk, g, 1, &sc[1], &mc[1]);                                   \
-            for (int q = 4 * g; q < 4 * g + 4; q++)                                              \
-                for (int h = 0; h < 2; h++) {                                                    \
-                    const __m256i wv = packed_k_quad8(QTYPE, blk, q, h);                         \
-                    for (int r = 0; r < ROWS; r++)                                               \
-                        i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(                 \
-                            _mm256_maddubs_epi16(wv, quad_of(xq + r * K + 256 * b + 4 * q)),     \
-                            sc[h]));                                                             \
-                }                                                                                \
-            for (int r = 0; r < ROWS; r++) {                                                     \
-                const __m256i sv = _mm256_set1_epi32(xs[r * (K / 16) + 16 * b + g]);             \
-                i2[r][0] = _mm256_add_epi32(i2[r][0], _mm256_mullo_epi32(mc[0], sv));            \
-                i2[r][1] = _mm256_add_epi32(i2[r][1], _mm256_mullo_epi32(mc[1], sv));            \
+        for (int g = 0; g < 16; g += 2) {                                                        \
+            __m256i sc[2][2], mc[2][2];                     /* [group][half] */                  \
+            if (ahead) prefetch_bytes(blk + 2 * bytes + bytes / 16 * g, bytes / 8 + 64);         \
+            for (int j = 0; j < 2; j++)                                                          \
+                for (int h = 0; h < 2; h++) packed_k_group8(QTYPE, blk, g + j, h, &sc[j][h], &mc[j][h]); \
+            for (int j = 0; j < 2; j++)                                                          \
+                for (int q0 = 4 * (g + j); q0 < 4 * (g + j) + 4; q0 += PACKED_K_RUN(QTYPE))      \
+                    for (int h = 0; h < 2; h++) {                                                \
+                        __m256i w[4];                                                            \
+                        for (int q = 0; q < PACKED_K_RUN(QTYPE); q++)                            \
+                            w[q] = packed_k_quad8(QTYPE, blk, q0 + q, h);                        \
+                        for (int r = 0; r < ROWS; r++) {                                         \
+                            __m256i t = _mm256_setzero_si256();                                  \
+                            for (int q = 0; q < PACKED_K_RUN(QTYPE); q++)                        \
+                                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(                    \
+                                    w[q], quad_of(xq + r * K + 256 * b + 4 * (q0 + q))));        \
+                            i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(t, sc[j][h])); \
+                        }                                                                        \
+                    }                                                                            \
+            for (int h = 0; h < 2; h++) {                                                        \
+                const __m256i pair = mins_pair(mc[0][h], mc[1][h]);                              \
+                for (int r = 0; r < ROWS; r++)                                                   \
+                    i2[r][h] = _mm256_add_epi32(i2[r][h], _mm256_madd_epi16(                     \
+                        pair, xs_pair(xs + r * (K / 16) + 16 * b + g)));                         \
             }                                                                                    \
         }                                                                                        \
         for (int h = 0; h < 2; h++) {                                                            \

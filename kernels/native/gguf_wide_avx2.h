@@ -15,6 +15,31 @@ static inline __m256i quad_of(const int8_t *x) {
     return _mm256_set1_epi32(quad);
 }
 
+/* A run: quads whose vpmaddubsw results add up in int16 lanes, widened once (with AVX-VNNI,
+ * vpdpbusd widens as it adds, so a run is one quad). Shared with gguf_packed_avx2.h. */
+#if defined(__AVXVNNI__)
+#define RUN_ADD(t, u, a) _mm256_dpbusd_avx_epi32((t), (u), (a))
+#define RUN_WIDEN(t) (t)
+#define RUN_MAX 1
+#else
+#define RUN_ADD(t, u, a) _mm256_add_epi16((t), _mm256_maddubs_epi16((u), (a)))
+#define RUN_WIDEN(t) _mm256_madd_epi16((t), _mm256_set1_epi16(1))
+#define RUN_MAX 4      /* Q4's sums16 allows 8, but 8 quads' weights would not stay in registers */
+#endif
+
+/* two k-quant groups' mins (int32 per column) as int16 pairs, for one vpmaddwd with two x sums */
+static inline __m256i mins_pair(__m256i mc0, __m256i mc1) {
+    return _mm256_or_si256(_mm256_and_si256(mc0, _mm256_set1_epi32(0xffff)),
+                           _mm256_slli_epi32(mc1, 16));
+}
+
+/* the int16 pair xs[0], xs[1] in every int32 lane */
+static inline __m256i xs_pair(const int16_t *xs) {
+    int32_t pair;
+    memcpy(&pair, xs, 4);
+    return _mm256_set1_epi32(pair);
+}
+
 /* What a pass is specialised for: the types' integer sums and whether their dm term is zero */
 enum { WK_Q8_0, WK_U4, WK_U4_DM, WK_Q5_0, WK_K4, WK_K6 };
 
@@ -26,8 +51,7 @@ static inline int wide_kind(const qtype_info *info) {
 }
 
 /* quads a run adds in int16 lanes before it widens */
-#define WK_RUN(kind) ((kind) == WK_K6 ? 2 : (kind) == WK_Q8_0 ? 1 : WK_MAX_RUN)
-#define WK_MAX_RUN 4   /* Q4's sums16 allows 8, but 8 runs' weights would not stay in registers */
+#define WK_RUN(kind) ((kind) == WK_K6 ? 2 : (kind) == WK_Q8_0 ? 1 : 4)
 
 /* one block of a 32-element type: i1[r] for half h's 8 columns (from zero, before z s). A run's
  * weights are loaded once, then each row adds its quads in turn: the registers hold the run, one
@@ -35,34 +59,21 @@ static inline int wide_kind(const qtype_info *info) {
 static inline __attribute__((always_inline)) void wide_block32(
         const wide_panel *p, int kind, int rows, int h, int64_t b, const int8_t *xq, int64_t K,
         __m256i i1[WIDE_ROWS]) {
-#if defined(__AVXVNNI__)
-    const int run = 1;
-#else
-    const int run = WK_RUN(kind);
-#endif
+    const int run = WK_RUN(kind) < RUN_MAX ? WK_RUN(kind) : RUN_MAX;
     for (int r = 0; r < rows; r++) i1[r] = _mm256_setzero_si256();
     for (int q0 = 0; q0 < 8; q0 += run) {
-        __m256i w[WK_MAX_RUN], u[WK_MAX_RUN];
+        __m256i w[4], u[4];
         for (int q = 0; q < run; q++) {
             w[q] = _mm256_loadu_si256((const __m256i *)(p->wq + (b * 8 + q0 + q) * WIDE * 4 + 32 * h));
             u[q] = kind == WK_Q8_0 ? _mm256_abs_epi8(w[q]) : w[q];
         }
         for (int r = 0; r < rows; r++) {
-            __m256i t = _mm256_setzero_si256();  /* int16 lanes (int32 with AVX-VNNI) */
+            __m256i t = _mm256_setzero_si256();
             for (int q = 0; q < run; q++) {
                 const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * (q0 + q));
-                const __m256i a = kind == WK_Q8_0 ? _mm256_sign_epi8(xv, w[q]) : xv;
-#if defined(__AVXVNNI__)
-                t = _mm256_dpbusd_avx_epi32(t, u[q], a);
-#else
-                t = _mm256_add_epi16(t, _mm256_maddubs_epi16(u[q], a));
-#endif
+                t = RUN_ADD(t, u[q], kind == WK_Q8_0 ? _mm256_sign_epi8(xv, w[q]) : xv);
             }
-#if defined(__AVXVNNI__)
-            i1[r] = _mm256_add_epi32(i1[r], t);
-#else
-            i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
-#endif
+            i1[r] = _mm256_add_epi32(i1[r], RUN_WIDEN(t));
         }
     }
 }
@@ -77,7 +88,7 @@ static inline __attribute__((always_inline)) void wide_block_k(
     for (int64_t g = 16 * b; g < 16 * b + 16; g++) {
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(p->sc + g * WIDE * 2 + 16 * h));
         for (int q0 = 0; q0 < 4; q0 += run) {
-            __m256i w[WK_MAX_RUN];
+            __m256i w[4];
             for (int q = 0; q < run; q++)
                 w[q] = _mm256_loadu_si256(
                     (const __m256i *)(p->wq + (g * 4 + q0 + q) * WIDE * 4 + 32 * h));
@@ -93,15 +104,11 @@ static inline __attribute__((always_inline)) void wide_block_k(
     /* the mins after the scales, so that their sums are not live beside the runs: two groups'
      * mc as int16 pairs meet the rows' two x sums (adjacent int16s) in one vpmaddwd */
     for (int64_t g = 16 * b; g < 16 * b + 16; g += 2) {
-        const __m256i mc = _mm256_or_si256(
-            _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE + 8 * h)),
-                             _mm256_set1_epi32(0xffff)),
-            _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(p->mc + (g + 1) * WIDE + 8 * h)), 16));
-        for (int r = 0; r < rows; r++) {
-            int32_t pair;
-            memcpy(&pair, xs + r * (K / 16) + g, 4);
-            i2[r] = _mm256_add_epi32(i2[r], _mm256_madd_epi16(mc, _mm256_set1_epi32(pair)));
-        }
+        const __m256i mc = mins_pair(
+            _mm256_loadu_si256((const __m256i *)(p->mc + g * WIDE + 8 * h)),
+            _mm256_loadu_si256((const __m256i *)(p->mc + (g + 1) * WIDE + 8 * h)));
+        for (int r = 0; r < rows; r++)
+            i2[r] = _mm256_add_epi32(i2[r], _mm256_madd_epi16(mc, xs_pair(xs + r * (K / 16) + g)));
     }
 }
 

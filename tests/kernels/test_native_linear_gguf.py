@@ -260,12 +260,13 @@ def test_the_largest_integer_sums_are_exact_in_every_build(qtype, rng):
     wrap. Raw rows and packed panels, the panel passes' row counts, against the portable C."""
     k = 512
     w = _largest_weight(qtype, 19, k, rng)
-    x = torch.ones(13, k)
-    x[1::2] = -1.0                                  # x quantizes to +127 and -127 rows
-    _same_bits_everywhere([w], x)
-    with native.use_variant("portable"):
-        want = gl.linear(x, w, threads=1).nan_to_num(7.0)
-    for variant in _packing_variants(qtype) if gl.packing_supported() else []:
-        with native.use_variant(variant):
-            got = gl.linear(x, gl.pack(w), threads=1).nan_to_num(7.0)
-        assert torch.equal(got, want), variant
+    for m in (1, 6, 13):                            # packed passes of 1-4 rows; wide panels
+        x = torch.ones(m, k)
+        x[1::2] = -1.0                              # x quantizes to +127 and -127 rows
+        _same_bits_everywhere([w], x)
+        with native.use_variant("portable"):
+            want = gl.linear(x, w, threads=1).nan_to_num(7.0)
+        for variant in _packing_variants(qtype) if gl.packing_supported() else []:
+            with native.use_variant(variant):
+                got = gl.linear(x, gl.pack(w), threads=1).nan_to_num(7.0)
+            assert torch.equal(got, want), (variant, m)
