@@ -61,6 +61,7 @@ static inline __attribute__((always_inline)) void wide_block32(
         __m256i i1[WIDE_ROWS]) {
     const int run = WK_RUN(kind) < RUN_MAX ? WK_RUN(kind) : RUN_MAX;
     for (int r = 0; r < rows; r++) i1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1   /* Q8_0: 8 runs of one quad, unrolled with 4 rows, spill */
     for (int q0 = 0; q0 < 8; q0 += run) {
         __m256i w[4], u[4];
         for (int q = 0; q < run; q++) {
