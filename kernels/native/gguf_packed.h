@@ -395,7 +395,7 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
 #ifdef PACKED_WIDE_MIN_ROWS
     if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;
 #endif
-    if (run == packed_task && packed_offset(qtype)) {   /* the wide passes sum from zero */
+    if (packed_offset(qtype)) {   /* AVX2's wide passes too: its offsets are the zero points */
         job.xz = packed_offsets(qtype, xs, m, k);
         if (job.xz == NULL) return -2;
     }

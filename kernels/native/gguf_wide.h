@@ -113,10 +113,11 @@ static void wide_unpack(const qtype_info *info, const uint8_t *w, int64_t stride
 #include "gguf_wide_avx2.h"
 #endif
 
-/* y[t][n0 .. n0 + live) for every row t of x, one wide panel */
+/* y[t][n0 .. n0 + live) for every row t of x, one wide panel; xz: each row's block sums times
+ * -z where the caller has them (NULL: the passes derive them from xs) */
 static void wide_panel_all_rows(const wide_panel *p, const qtype_info *info, const int8_t *xq,
-                                const float *xd, const int16_t *xs, int64_t m, int64_t K,
-                                float *y, int64_t ldy, int64_t n0, int live) {
+                                const float *xd, const int16_t *xs, const int32_t *xz, int64_t m,
+                                int64_t K, float *y, int64_t ldy, int64_t n0, int live) {
     float out[WIDE_ROWS][WIDE];
     const int64_t blocks = K / info->block;
     for (int64_t t = 0; t < m; t += WIDE_ROWS) {
@@ -124,7 +125,7 @@ static void wide_panel_all_rows(const wide_panel *p, const qtype_info *info, con
         const int8_t *x = xq + t * K;
         const float *d = xd + t * blocks;
         const int16_t *s = xs + t * (K / 16);
-        wide_rows_fn[rows - 1](p, info, x, d, s, K, out);
+        wide_rows_fn[rows - 1](p, info, x, d, s, xz ? xz + t * blocks : NULL, K, out);
         for (int64_t r = 0; r < rows; r++)
             memcpy(y + (t + r) * ldy + n0, out[r], sizeof(float) * (size_t)live);
     }

@@ -65,8 +65,9 @@ static inline __m512i signed_dot512(__m512i acc, __m512i w, __m512i x) {
 
 #define DEFINE_WIDE_ROWS(ROWS)                                                                   \
 static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const int8_t *xq,     \
-                             const float *xd, const int16_t *xs, int64_t K,                      \
+                             const float *xd, const int16_t *xs, const int32_t *xz, int64_t K,   \
                              float out[WIDE_ROWS][WIDE]) {                                       \
+    (void)xz;                                  /* only AVX2's packed panels pass offsets */      \
     const int64_t blocks = K / info->block;                                                      \
     __m512 acc[ROWS];                                                                            \
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                                 \
@@ -90,7 +91,7 @@ DEFINE_WIDE_ROWS(4)
 DEFINE_WIDE_ROWS(5)
 DEFINE_WIDE_ROWS(6)
 typedef void (*wide_rows_t)(const wide_panel *, const qtype_info *, const int8_t *, const float *,
-                            const int16_t *, int64_t, float[WIDE_ROWS][WIDE]);
+                            const int16_t *, const int32_t *, int64_t, float[WIDE_ROWS][WIDE]);
 static const wide_rows_t wide_rows_fn[WIDE_ROWS] = {wide_rows_1, wide_rows_2, wide_rows_3,
                                                     wide_rows_4, wide_rows_5, wide_rows_6};
 

@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void wide_block_k(
 /* out[r][8h .. 8h + 7] for `rows` rows of x: half h of the panel, every block */
 static inline __attribute__((always_inline)) void wide_half(
         const wide_panel *p, const qtype_info *info, int kind, int rows, int h,
-        const int8_t *xq, const float *xd, const int16_t *xs, int64_t K,
+        const int8_t *xq, const float *xd, const int16_t *xs, const int32_t *xz, int64_t K,
         float out[WIDE_ROWS][WIDE]) {
     const int64_t blocks = K / info->block;
     const int has_dm = kind == WK_U4_DM || kind == WK_K4 || kind == WK_K6;
@@ -129,9 +129,13 @@ static inline __attribute__((always_inline)) void wide_half(
         } else {
             wide_block32(p, kind, rows, h, b, xq, K, i1);
             for (int r = 0; r < rows; r++) {
-                const int32_t sum = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];
-                if (info->zero) i1[r] = _mm256_sub_epi32(i1[r], _mm256_set1_epi32(info->zero * sum));
-                i2[r] = _mm256_set1_epi32(sum);
+                if (has_dm || (info->zero && xz == NULL)) {
+                    const int32_t sum = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];
+                    if (info->zero) i1[r] = _mm256_sub_epi32(i1[r], _mm256_set1_epi32(info->zero * sum));
+                    i2[r] = _mm256_set1_epi32(sum);
+                } else if (info->zero) {
+                    i1[r] = _mm256_add_epi32(i1[r], _mm256_set1_epi32(xz[r * blocks + b]));
+                }
             }
         }
         const __m256 d = _mm256_loadu_ps(p->d + b * WIDE + 8 * h);
@@ -148,12 +152,12 @@ static inline __attribute__((always_inline)) void wide_half(
 
 #define WIDE_KIND_CASE(KIND, ROWS)                                                               \
     case KIND:                                                                                   \
-        for (int h = 0; h < 2; h++) wide_half(p, info, KIND, ROWS, h, xq, xd, xs, K, out);       \
+        for (int h = 0; h < 2; h++) wide_half(p, info, KIND, ROWS, h, xq, xd, xs, xz, K, out);   \
         return;
 
 #define DEFINE_WIDE_ROWS(ROWS)                                                                   \
 static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const int8_t *xq,     \
-                             const float *xd, const int16_t *xs, int64_t K,                      \
+                             const float *xd, const int16_t *xs, const int32_t *xz, int64_t K,   \
                              float out[WIDE_ROWS][WIDE]) {                                       \
     switch (wide_kind(info)) {                                                                   \
         WIDE_KIND_CASE(WK_Q8_0, ROWS)                                                            \
@@ -169,7 +173,7 @@ DEFINE_WIDE_ROWS(2)
 DEFINE_WIDE_ROWS(3)
 DEFINE_WIDE_ROWS(4)
 typedef void (*wide_rows_t)(const wide_panel *, const qtype_info *, const int8_t *, const float *,
-                            const int16_t *, int64_t, float[WIDE_ROWS][WIDE]);
+                            const int16_t *, const int32_t *, int64_t, float[WIDE_ROWS][WIDE]);
 static const wide_rows_t wide_rows_fn[WIDE_ROWS] = {wide_rows_1, wide_rows_2, wide_rows_3,
                                                     wide_rows_4};
 

@@ -321,8 +321,8 @@ static void wide_panels(void *ctx, int64_t task, int64_t panel_bytes, wide_sprea
         spread(job, panel, live, &p);
         if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
             prefetch_bytes(panel + panel_bytes, panel_bytes);
-        wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->m, job->k, job->y,
-                            job->ldy, n0, live);
+        wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->xz, job->m, job->k,
+                            job->y, job->ldy, n0, live);
     }
 }
 
