@@ -266,6 +266,7 @@ static inline vec v_pow2i(vec p, vec i) {   /* p * 2^i for integral i in [-126, 
  * and 8: 1.3-2x), so it stays at 128 there. */
 #define MAX_VECTOR_D (VW == 16 ? 256 : 128)
 #define MAX_NV (MAX_VECTOR_D / VW)
+#define VBUF_ROWS 16   /* AVX2's pass 2: V rows widened at a time (16 x 128 floats: 8 KB) */
 
 /* exp(x) for x <= 0 lanes, the polynomial of exp_nonpos. */
 static inline vec v_exp(vec x) {
@@ -415,10 +416,13 @@ static inline __attribute__((always_inline)) int decode_fixed(
     }
     /* pass 2: part_acc[qh] = sum_j p[qh, j] * V[j] */
 #if VW == 8
-    /* AVX2 has 16 vector registers, too few for G * NV accumulators (SmolLM2: 3 * 8), which
-     * would spill anyway; so they live in part_acc (L1) and V is walked once, row by row with
-     * all its kv heads, instead of once per kv head (a partition's V rows outgrow L2). */
+    /* AVX2 has 16 vector registers, too few for G * NV accumulators (SmolLM2: 3 * 8). So up to
+     * VBUF_ROWS V rows of one kv head are widened to fp32 once into vbuf (L1), then each of its
+     * query heads walks them with (up to 8 of) its accumulators in registers, read from and
+     * written to part_acc once per pass over vbuf instead of once per row. The products are
+     * added in row order, as one row at a time would. */
     memset(part_acc, 0, sizeof(float) * num_q_heads * D);
+    float vbuf[VBUF_ROWS * MAX_VECTOR_D];
     for (int64_t t = k0; t < k1;) {
         int64_t count;
         const int64_t row0 = block_run(table, t, k1, block_size, num_blocks, stride_blk,
@@ -426,17 +430,28 @@ static inline __attribute__((always_inline)) int decode_fixed(
         if (row0 < 0) return -6;
         const char *next = block_start(v_cache, table, t / block_size + 1, (k1 - 1) / block_size,
                                        num_blocks, stride_blk, fmt);
-        for (int64_t j = 0; j < count; j++) {
-            prefetch_row(next, j, row_bytes);
+        for (int64_t j0 = 0; j0 < count; j0 += VBUF_ROWS) {
+            const int64_t rows = count - j0 < VBUF_ROWS ? count - j0 : VBUF_ROWS;
+            for (int64_t j = 0; j < rows; j++) prefetch_row(next, j0 + j, row_bytes);
             for (int h = 0; h < num_kv_heads; h++) {
-                const int64_t at = row0 + j * stride_tok + h * stride_head;
-                vec v[MAX_NV];
-                for (int c = 0; c < NV; c++) v[c] = v_load(v_cache, at + VW * c, fmt);
-                for (int g = 0; g < G; g++) {
-                    const vec p = v_set1(scores[(int64_t)(h * G + g) * n + (t - k0) + j]);
-                    float *acc = part_acc + (int64_t)(h * G + g) * D;
+                for (int64_t j = 0; j < rows; j++)
                     for (int c = 0; c < NV; c++)
-                        v_storef(acc + VW * c, v_fmadd(p, v[c], v_loadf(acc + VW * c)));
+                        v_storef(vbuf + j * D + VW * c, v_load(
+                            v_cache, row0 + (j0 + j) * stride_tok + h * stride_head + VW * c, fmt));
+                for (int g = 0; g < G; g++) {
+                    const float *prow = scores + (int64_t)(h * G + g) * n + (t - k0) + j0;
+                    float *acc = part_acc + (int64_t)(h * G + g) * D;
+                    for (int c0 = 0; c0 < NV; c0 += 8) {
+                        const int nc = NV - c0 < 8 ? NV - c0 : 8;
+                        vec a[8];
+                        for (int c = 0; c < nc; c++) a[c] = v_loadf(acc + VW * (c0 + c));
+                        for (int64_t j = 0; j < rows; j++) {
+                            const vec p = v_set1(prow[j]);
+                            for (int c = 0; c < nc; c++)
+                                a[c] = v_fmadd(p, v_loadf(vbuf + j * D + VW * (c0 + c)), a[c]);
+                        }
+                        for (int c = 0; c < nc; c++) v_storef(acc + VW * (c0 + c), a[c]);
+                    }
                 }
             }
         }
