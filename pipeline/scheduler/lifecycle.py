@@ -24,14 +24,11 @@ FINISHED_LENGTH = SequenceStatus.FINISHED_LENGTH
 
 class RequestLifecycle:
     def __init__(self, config: SchedulerConfig, kv, queues: SequenceQueues,
-                 eos_token_ids: frozenset[int], num_watermark_blocks: int,
-                 forks_need_rows: bool) -> None:
+                 eos_token_ids: frozenset[int]) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
         self.eos_token_ids = eos_token_ids
-        self.num_watermark_blocks = num_watermark_blocks
-        self.forks_need_rows = forks_need_rows  # workers read block tables from shared rows
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}  # live (unfinished) sequences
         # Every stop id any request has had: a step none of whose tokens is here stops nothing.
@@ -52,7 +49,7 @@ class RequestLifecycle:
         if request.request_id in self.requests:
             raise RequestRejected(request.request_id, "a request with this id is already in flight")
         state = admit_request(request, self.config, num_gpu_blocks=self.kv.num_gpu_blocks,
-                              num_watermark_blocks=self.num_watermark_blocks,
+                              num_watermark_blocks=self.kv.watermark_blocks,
                               eos_token_ids=self.eos_token_ids,
                               num_queued=self.num_queued_requests)
         seq = self._new_seq(state, 0,
@@ -101,7 +98,8 @@ class RequestLifecycle:
             child.fork_from(parent, b.step_id)
             children.append(child)
         self.queues.forked(len(children))
-        rows = [self.kv.row_of(c.seq_id) for c in children] if self.forks_need_rows else []
+        rows = ([self.kv.row_of(c.seq_id) for c in children]  # for workers that read the
+                if self.kv.block_tables is not None else [])  # block tables from shared rows
         b.forks.append(Fork(parent.seq_id, [c.seq_id for c in children], rows))
         b.fork_children.extend(children)
 

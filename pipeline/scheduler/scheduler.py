@@ -37,16 +37,12 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache
         policy = POLICIES[config.policy]()
-        self.num_watermark_blocks = getattr(kv_cache, "watermark_blocks",
-                                            int(config.watermark * kv_cache.num_gpu_blocks))
         tables = kv_cache.block_tables  # shared-memory rows the workers may read instead
         self._shared_tables = None if tables is None else SharedTables(
             tables.name, tables.max_num_seqs, tables.max_blocks_per_seq)
         self.queues = SequenceQueues(policy.key, config.max_num_seqs)
-        self.life = RequestLifecycle(config, kv_cache, self.queues, frozenset(eos_token_ids),
-                                     self.num_watermark_blocks, tables is not None)
-        self.rule = StepRule(config, kv_cache, self.queues, self.life, policy,
-                             self.num_watermark_blocks)
+        self.life = RequestLifecycle(config, kv_cache, self.queues, frozenset(eos_token_ids))
+        self.rule = StepRule(config, kv_cache, self.queues, self.life, policy)
         self.generation_tokens = self.iteration_tokens = 0
         self._next_step_id = 0
         self._inflight: PlanBuilder | None = None

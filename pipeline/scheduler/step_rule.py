@@ -22,13 +22,12 @@ SWAPPED = SequenceStatus.SWAPPED
 
 class StepRule:
     def __init__(self, config: SchedulerConfig, kv, queues: SequenceQueues,
-                 life: RequestLifecycle, policy, num_watermark_blocks: int) -> None:
+                 life: RequestLifecycle, policy) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
         self.life = life
         self.policy = policy
-        self.num_watermark_blocks = num_watermark_blocks
 
     def plan(self, b: PlanBuilder) -> None:
         """Apply the rule to every live sequence, in step order, into the plan `b`."""
@@ -214,7 +213,7 @@ class StepRule:
         table = -(-seq.num_reserved_tokens // bs)  # blocks a sliding window released included
         held = table - kv.num_released_blocks(seq.seq_id)
         more = max(0, -(-(seq.num_computed_tokens + chunk) // bs) - table)
-        return kv.num_free_blocks - held - more >= self.num_watermark_blocks
+        return kv.num_free_blocks - held - more >= kv.watermark_blocks
 
     def _admit(self, seq: Sequence, b: PlanBuilder) -> bool | None:
         """Allocate and schedule a waiting sequence's first chunk. None: it does not fit now;
