@@ -178,7 +178,7 @@ class RequestLifecycle:
         status = None
         for i in range(first, len(tokens)):
             num_out = i + 1 - seq.num_prompt_tokens
-            if tokens[i] in req.stop_ids and num_out >= req.min_tokens:
+            if tokens[i] in req.stop_ids and num_out >= req.sampling.min_tokens:
                 status = FINISHED_STOPPED
             elif num_out >= req.max_output_tokens:
                 status = FINISHED_LENGTH

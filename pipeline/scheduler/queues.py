@@ -88,12 +88,12 @@ class SequenceQueues:
         return heap[0][1] if heap else None
 
     def push_waiting(self, seq: Sequence) -> None:
-        seq.queued()
+        seq.moved_to(WAITING)
         self.num_waiting += 1
         heapq.heappush(self.waiting, (self.key(seq), seq))
 
     def push_swapped(self, seq: Sequence) -> None:
-        seq.swapped_out()
+        seq.moved_to(SWAPPED)
         self.num_swapped += 1
         heapq.heappush(self.swapped, (self.key(seq), seq))
 
@@ -107,7 +107,7 @@ class SequenceQueues:
         self.start(heapq.heappop(self.swapped)[1])
 
     def start(self, seq: Sequence) -> None:
-        seq.started()
+        seq.moved_to(RUNNING)
         self.num_running += 1
         self.num_unforked += seq.request.num_seq_slots - 1
 
@@ -128,17 +128,12 @@ class SequenceQueues:
 
     def rebuild(self, swapped: list[Sequence], waiting: list[Sequence]) -> None:
         """After the workers lost the device pool: nothing runs, these wait or stay swapped."""
-        self.running, self.prefilling = [], []
-        self.num_running = self.num_unforked = 0
+        self.running, self.prefilling, self.swapped, self.waiting = [], [], [], []
+        self.num_running = self.num_unforked = self.num_swapped = self.num_waiting = 0
         for seq in swapped:
-            seq.swapped_out()
+            self.push_swapped(seq)
         for seq in waiting:
-            seq.queued()
-        self.swapped = [(self.key(seq), seq) for seq in swapped]
-        self.waiting = [(self.key(seq), seq) for seq in waiting]
-        heapq.heapify(self.swapped)
-        heapq.heapify(self.waiting)
-        self.num_swapped, self.num_waiting = len(swapped), len(waiting)
+            self.push_waiting(seq)
 
     def lora_stats(self, max_loras: int) -> dict:
         """vLLM's lora_requests_info: the adapters of running and of waiting (or swapped)

@@ -58,7 +58,6 @@ class RequestState:
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
     lora: LoRARequest | None = None  # sent with each NewSeq; its cache_salt carries it too
     seqs: list[Sequence] = field(init=False, default_factory=list)  # index == sample index
-    min_tokens: int = field(init=False)  # stop ids do not stop before this many outputs
     num_unfinished: int = field(init=False)  # children count before they exist
     forked: bool = field(init=False)  # nothing to fork for a single sample
     queued: bool = field(init=False, default=True)  # counted against max_queued_requests
@@ -71,7 +70,6 @@ class RequestState:
     num_prompt_logprobs: int = field(init=False, default=1)  # passed on (the first has none)
 
     def __post_init__(self) -> None:
-        self.min_tokens = self.sampling.min_tokens
         self.num_unfinished = self.sampling.n
         self.forked = self.sampling.n == 1
 
@@ -139,14 +137,9 @@ class Sequence:
     # no other module assigns them). Tokens are appended to `token_ids` by `update` in place.
 
     # -- its place in the scheduler's queues (queues.py) --------------------------------------
-    def started(self) -> None:
-        self.status = SequenceStatus.RUNNING
-
-    def queued(self) -> None:
-        self.status = SequenceStatus.WAITING
-
-    def swapped_out(self) -> None:
-        self.status = SequenceStatus.SWAPPED
+    def moved_to(self, status: SequenceStatus) -> None:
+        """Now in the queue of `status`: WAITING, RUNNING or SWAPPED."""
+        self.status = status
 
     def finished_as(self, status: SequenceStatus) -> None:
         self.status = status
@@ -287,7 +280,6 @@ class Sequence:
         """Its prompt is computed and pooled into `vector`: it is done (the caller finishes it)."""
         self.embedding = vector
         self.num_computed_tokens = len(self.token_ids)
-        self.lane_cap = -1
 
     def workers_reset(self) -> None:
         """The workers hold nothing for it any more (their group restarted)."""
