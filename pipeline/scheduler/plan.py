@@ -53,11 +53,6 @@ class PlanBuilder:
         self.seqs.append(seq)
         self.budget -= entry.num_tokens + len(entry.draft_token_ids)
 
-    def add_lane_blocks(self, blocks: list[int]) -> None:
-        """Blocks the lane about to be added appends before it computes."""
-        index = len(self.lanes)
-        self.lane_blocks.extend((index, block) for block in blocks)
-
     def build(self, finished_seq_ids: list[int], shared_tables: SharedTables | None) -> StepPlan:
         self.plan = StepPlan(self.step_id, self.new_seqs, self.scheduled, self.swap_out,
                              self.swap_in, self.copy, self.forks, finished_seq_ids, shared_tables,

@@ -112,8 +112,8 @@ class StepRule:
             self._plan_tokens(seq, 1, new_blocks, b)
             keep(seq)
             return False
-        seq.sent_tokens_upto(n)  # a lane that opens a new block: on with the lanes
-        b.add_lane_blocks(new_blocks)
+        seq.sent_tokens_upto(n)  # a lane that opens a new block: the caller adds it next
+        b.lane_blocks.extend((len(b.lanes), block) for block in new_blocks)
         seq.lanes_until(self.lane_cap(seq))
         return True
 
