@@ -72,13 +72,12 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
     if stop_id_union.isdisjoint(tokens):
         out.seqs, out.token_ids = lanes, tokens
         return
-    stopped = set()
-    for row, seq in enumerate(lanes):
-        if tokens[row] in seq.request.stop_ids:
-            pending.append((seq, tokens[row], row))
-            stopped.add(row)
-    out.seqs = [seq for row, seq in enumerate(lanes) if row not in stopped]
-    out.token_ids = [t for row, t in enumerate(tokens) if row not in stopped]
+    for row, (seq, token) in enumerate(zip(lanes, tokens)):
+        if token in seq.request.stop_ids:
+            pending.append((seq, token, row))
+        else:
+            out.seqs.append(seq)
+            out.token_ids.append(token)
 
 
 def _advance_each(seqs: list[Sequence], rows: ResultRows, cursor: int, counted: bool,
