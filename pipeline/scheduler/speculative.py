@@ -3,6 +3,8 @@ an index per sequence that costs a few dict operations per new token, not a scan
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 from pagedserve.pipeline.speculative_config import SpeculativeConfig
 
 
@@ -37,14 +39,11 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.indexes: dict[int, NgramIndex] = {}
+        self.indexes: defaultdict[int, NgramIndex] = defaultdict(NgramIndex)
 
     def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
-        index = self.indexes.get(seq_id)
-        if index is None:
-            index = self.indexes[seq_id] = NgramIndex()
         c = self.config
-        return index.propose(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        return self.indexes[seq_id].propose(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def forget(self, seq_id: int) -> None:
         self.indexes.pop(seq_id, None)
