@@ -30,11 +30,10 @@ class Quarantine:
         return culprits
 
     def holds_back(self, req: RequestState) -> bool:
-        """A suspect waits while another suspect is on trial (a truth test while nobody is a
-        suspect, the common case)."""
+        """A suspect waits while another suspect is on trial (one test while nobody is on
+        trial, the common case)."""
         trial = self.on_trial
-        return (bool(self.suspects) and req.request_id in self.suspects and trial is not None
-                and trial is not req)
+        return trial is not None and trial is not req and req.request_id in self.suspects
 
     def begin_trial(self, req: RequestState) -> None:
         """`req` joins a step: a suspect joining is the one on trial."""

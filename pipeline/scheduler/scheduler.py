@@ -22,7 +22,6 @@ from pagedserve.pipeline.scheduler.step_rule import StepRule
 from pagedserve.pipeline.scheduler.step_outputs import (Recovery, SchedulerStats, SequenceOutput,
                                                         StepOutputs)
 
-SEQ_ID = attrgetter("seq_id")
 RUNNING = SequenceStatus.RUNNING
 FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 
@@ -238,7 +237,7 @@ class Scheduler:
         if result.prompt_logprobs:  # before the stop rules finish (and forget) sequences
             outputs.prompt_logprobs = life.new_prompt_logprobs(result)
         if pooled:  # finished in sequence order, as the stop rules below
-            pooled.sort(key=SEQ_ID)
+            pooled.sort(key=attrgetter("seq_id"))
             outputs.others.extend(life.finish_pooled(pooled, result))
         if pending:
             # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
