@@ -37,10 +37,6 @@ RESET_RETRY_S = 0.5
 DETOK_HWM = 1024  # TokenBatches queued for a slow detokenizer before the scheduler waits
 
 
-def worker_identity(rank: int) -> bytes:
-    return f"worker{rank}".encode()
-
-
 class SchedulerProcess:
     def __init__(self, cfg: EngineConfig, faults: FaultInjector, incarnation: int = 0):
         self.cfg = cfg
@@ -93,12 +89,15 @@ class SchedulerProcess:
     def workers_ready(self) -> bool:
         return len(self.ready_ranks) == self.tp_size
 
-    def _send_resets(self) -> None:
-        reset = transport.encode(messages.Reset(self.token))
-        for rank in range(self.tp_size):
-            if rank not in self.ready_ranks:
-                with contextlib.suppress(zmq.ZMQError):  # not connected (yet): retried
-                    self.workers.send_multipart([worker_identity(rank), *reset], flags=zmq.NOBLOCK)
+    def _send_to_ranks(self, msg, ranks) -> None:
+        """Without waiting: a rank not connected (yet, or any more) misses it."""
+        for rank in ranks:
+            with contextlib.suppress(zmq.ZMQError):
+                transport.send(self.workers, msg, f"worker{rank}".encode(), flags=zmq.NOBLOCK)
+
+    def _send_resets(self) -> None:  # resent until every rank is ready
+        self._send_to_ranks(messages.Reset(self.token),
+                            [rank for rank in range(self.tp_size) if rank not in self.ready_ranks])
         self.last_reset_sent = time.monotonic()
 
     def lose_workers(self, why: str, attributable: bool = False) -> None:
@@ -258,7 +257,7 @@ class SchedulerProcess:
         frames = transport.encode(plan)
         try:
             for rank in range(self.tp_size):
-                self.workers.send_multipart([worker_identity(rank), *frames], copy=False)
+                self.workers.send_multipart([f"worker{rank}".encode(), *frames], copy=False)
         except zmq.ZMQError as exc:  # a rank vanished between its last answer and now
             # The plan stays in flight: recovery reads it (its swap-outs may not have happened).
             self.lose_workers(f"cannot reach a worker rank: {exc}")
@@ -344,10 +343,7 @@ class SchedulerProcess:
                 self.service.quarantine(msg.suspect, msg.cause)
 
     def shutdown(self) -> None:
-        stop = transport.encode(messages.Shutdown("scheduler stopped"))
-        for rank in range(self.tp_size):
-            with contextlib.suppress(zmq.ZMQError):  # that rank is already gone
-                self.workers.send_multipart([worker_identity(rank), *stop], flags=zmq.NOBLOCK)
+        self._send_to_ranks(messages.Shutdown("scheduler stopped"), range(self.tp_size))
         with contextlib.suppress(zmq.ZMQError):
             transport.send(self.detok, messages.Shutdown("scheduler stopped"), flags=zmq.NOBLOCK)
         time.sleep(0.05)  # let the shutdown frames leave before the sockets close
