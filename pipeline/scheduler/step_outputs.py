@@ -48,12 +48,9 @@ class StepOutputs(CollectionSequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            return [self[j] for j in range(len(self))[i]]
+        i = range(len(self))[i]  # a negative index counts from the end; IndexError past it
         n = len(self.seqs)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError("StepOutputs index out of range")
         if i >= n:
             return self.others[i - n]
         seq = self.seqs[i]
