@@ -18,7 +18,7 @@ class StepLoop:
         self.overlap = overlap
         self.step_timeout = step_timeout
         self.clock = clock
-        self._on_planned = on_planned
+        self._on_planned = on_planned or (lambda plan: None)
         self.inflight_since = 0.0   # clock() when the step in flight was sent (or promoted)
         self.schedule_ms = 0.0      # what planning the step in flight cost
         self.applied_at = 0.0       # clock() when the last result was applied
@@ -40,8 +40,7 @@ class StepLoop:
         started = time.perf_counter()
         plan = self.scheduler.schedule(now)
         self.schedule_ms = (time.perf_counter() - started) * 1e3
-        if self._on_planned is not None:
-            self._on_planned(plan)
+        self._on_planned(plan)
         if not (plan.decode_seq_ids or plan.scheduled or plan.new_seqs or plan.swap_out
                 or plan.swap_in or plan.copy or plan.forks or plan.finished_seq_ids):
             # nothing for the workers (e.g. every request waits for blocks an abort will free)
@@ -82,6 +81,5 @@ class StepLoop:
         if plan is None:
             return
         self._ahead_schedule_ms = (time.perf_counter() - started) * 1e3
-        if self._on_planned is not None:
-            self._on_planned(plan)
+        self._on_planned(plan)
         self._send(plan)  # False: the workers were lost, and the step ahead with them
