@@ -125,7 +125,7 @@ class Scheduler:
         culprits = life.quarantine.record_crash(life.requests_of(lost)) \
             if attributable and lost is not None else []
         swapped, waiting = [], []
-        for seq in [s for s in life.seqs.values() if not s.is_finished]:
+        for seq in life.seqs.values():  # the live ones
             seq.workers_reset()
             if seq.seq_id in kv and seq.seq_id not in dropped:  # swapped out, host copy intact
                 swapped.append(seq)
@@ -239,9 +239,7 @@ class Scheduler:
         if pooled:  # finished in sequence order, as the stop rules below
             pooled.sort(key=attrgetter("seq_id"))
             outputs.others.extend(life.finish_pooled(pooled, result))
-        if pending:
-            # Stop rules in sequence order, whatever the plan's encoding: the blocks they free
-            # go back to the pool in the same order either way.
+        if pending:  # stop rules in sequence order, whatever the encoding (INTERFACES.md)
             pending.sort(key=lambda sampled: sampled[0].seq_id)
             outputs.others.extend(life.finish_sampled(seq, row, result)
                                   for seq, _token, row in pending)

@@ -190,8 +190,7 @@ class SchedulerService:
             self.send_to_client(client_id, messages.RequestRejected(msg.request_id, status,
                                                                     exc.reason))
             return
-        if msg.sampling.structured_outputs is not None:
-            spec = msg.sampling.structured_outputs
+        if (spec := msg.sampling.structured_outputs) is not None:
             self.scheduler.grammar_book.add(msg.request_id, self.grammar_gate.compiler.get(spec), spec)
         self.owners[msg.request_id] = _Owned(client_id, msg.sampling, len(msg.prompt_token_ids))
         self.send_to_detok(messages.DetokOpen(
