@@ -13,13 +13,11 @@ from pagedserve.pipeline.scheduler.plan import PlanBuilder
 from pagedserve.pipeline.scheduler.preemption import SWAP, swap_or_recompute
 from pagedserve.pipeline.scheduler.quarantine import Quarantine
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
-from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, Request, RequestState,
-                                                    Sequence, SequenceStatus)
+from pagedserve.pipeline.scheduler.sequence import (FINISH_REASONS, FINISHED_LENGTH,
+                                                    FINISHED_STOPPED, SWAPPED, WAITING, Request,
+                                                    RequestState, Sequence, SequenceStatus)
 from pagedserve.pipeline.scheduler.speculative import NgramProposer
 from pagedserve.pipeline.scheduler.step_outputs import SequenceOutput
-
-FINISHED_STOPPED = SequenceStatus.FINISHED_STOPPED
-FINISHED_LENGTH = SequenceStatus.FINISHED_LENGTH
 
 
 class RequestLifecycle:
@@ -128,8 +126,8 @@ class RequestLifecycle:
         """Release a sequence; returns whether that finished its whole request."""
         if inflight is not None and seq.last_step == inflight.step_id:
             inflight.num_finished += 1  # its row is no longer wanted: update goes one by one
-        if seq.status <= SequenceStatus.SWAPPED:
-            if seq.status is not SequenceStatus.WAITING:
+        if seq.status <= SWAPPED:
+            if seq.status is not WAITING:
                 self.kv.free(seq.seq_id)
             self.queues.leave(seq)
         seq.finished_as(status)

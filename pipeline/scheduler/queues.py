@@ -7,11 +7,8 @@ from __future__ import annotations
 import heapq
 from typing import Callable
 
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
-
-RUNNING = SequenceStatus.RUNNING
-WAITING = SequenceStatus.WAITING
-SWAPPED = SequenceStatus.SWAPPED
+from pagedserve.pipeline.scheduler.sequence import (RUNNING, SWAPPED, WAITING, Sequence,
+                                                    SequenceStatus)
 
 
 class FCFSPolicy:

@@ -9,10 +9,9 @@ from operator import attrgetter, itemgetter
 
 from pagedserve.pipeline.messages import StepResult
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.scheduler.sequence import RUNNING, Sequence
 from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
-RUNNING = SequenceStatus.RUNNING
 NO_DRAFTS: list[int] = []
 _TOKEN_IDS = attrgetter("token_ids")
 _FIRST = itemgetter(0)

@@ -16,14 +16,11 @@ from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import PlanBuilder
 from pagedserve.pipeline.scheduler.queues import POLICIES, SequenceQueues
 from pagedserve.pipeline.scheduler.results import advance
-from pagedserve.pipeline.scheduler.sequence import (STATUS_FOR_REASON, Request, RequestState,
-                                                    Sequence, SequenceStatus)
+from pagedserve.pipeline.scheduler.sequence import (FINISHED_ABORTED, RUNNING, STATUS_FOR_REASON,
+                                                    Request, RequestState, Sequence)
 from pagedserve.pipeline.scheduler.step_rule import StepRule
 from pagedserve.pipeline.scheduler.step_outputs import (Recovery, SchedulerStats, SequenceOutput,
                                                         StepOutputs)
-
-RUNNING = SequenceStatus.RUNNING
-FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 
 
 class Scheduler:

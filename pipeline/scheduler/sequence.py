@@ -20,6 +20,8 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
 
 
+# The statuses by name, for the modules' hot loops (a global, not an enum attribute, lookup).
+WAITING, RUNNING, SWAPPED, FINISHED_STOPPED, FINISHED_LENGTH, FINISHED_ABORTED = SequenceStatus
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",

@@ -12,12 +12,10 @@ from pagedserve.pipeline.scheduler.config import SchedulerConfig
 from pagedserve.pipeline.scheduler.lifecycle import RequestLifecycle
 from pagedserve.pipeline.scheduler.plan import NO_BLOCKS, PlanBuilder
 from pagedserve.pipeline.scheduler.queues import SequenceQueues
-from pagedserve.pipeline.scheduler.sequence import Sequence, SequenceStatus
+from pagedserve.pipeline.scheduler.sequence import (RUNNING, SWAPPED, WAITING, Sequence,
+                                                    SequenceStatus)
 
 SEQ_ID = attrgetter("seq_id")
-RUNNING = SequenceStatus.RUNNING
-WAITING = SequenceStatus.WAITING
-SWAPPED = SequenceStatus.SWAPPED
 
 
 class StepRule:
