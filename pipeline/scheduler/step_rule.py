@@ -15,8 +15,6 @@ from pagedserve.pipeline.scheduler.queues import SequenceQueues
 from pagedserve.pipeline.scheduler.sequence import (RUNNING, SWAPPED, WAITING, Sequence,
                                                     SequenceStatus)
 
-SEQ_ID = attrgetter("seq_id")
-
 
 class StepRule:
     def __init__(self, config: SchedulerConfig, kv, queues: SequenceQueues,
@@ -77,7 +75,7 @@ class StepRule:
             budget -= 1
             keep(seq)
         b.budget = budget
-        b.lane_ids = list(map(SEQ_ID, lanes))
+        b.lane_ids = list(map(attrgetter("seq_id"), lanes))
 
     def _decode(self, seq: Sequence, b: PlanBuilder, keep) -> bool:
         """A decoding sequence past its lane_cap (or with no budget left), if still running:
@@ -137,21 +135,21 @@ class StepRule:
         self._emit(seq, 1, b, drafts)
         return True
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """The rule's token count: all that remains, else what the budget leaves when chunked
-        prefill allows a part (0: none)."""
+    def _chunk(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        """The rule's token count for `seq` and whether it is all that remains: all of it, else
+        what the budget leaves when chunked prefill allows a part (0: none)."""
+        remaining = len(seq.token_ids) - seq.num_computed_tokens
         if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+            return remaining, True
+        return (budget if self.config.enable_chunked_prefill else 0), False
 
     def _catch_up(self, seq: Sequence, b: PlanBuilder) -> bool:
         """The rule for a running sequence, preempting by policy when blocks are short (itself,
         last). Whether it reaches the end of its tokens."""
-        remaining = len(seq.token_ids) - seq.num_computed_tokens
-        chunk = self._chunk(remaining, b.budget)
+        chunk, completes = self._chunk(seq, b.budget)
         if chunk and self._reserve_or_preempt(seq, chunk, b):
             self._emit(seq, chunk, b)
-        return chunk == remaining
+        return completes
 
     @staticmethod
     def _place(seq: Sequence, caught_up: bool, decodes: list[Sequence],
@@ -188,8 +186,7 @@ class StepRule:
     def _swap_in(self, b: PlanBuilder, decodes: list[Sequence], chunks: list[Sequence]) -> None:
         kv = self.kv
         for seq in self._joining(b, self.queues.swapped, SWAPPED, decodes, chunks):
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
-            chunk = self._chunk(remaining, b.budget)
+            chunk, completes = self._chunk(seq, b.budget)
             if not self._can_swap_in(seq, chunk):
                 break
             self.queues.swap_in_head()
@@ -199,7 +196,7 @@ class StepRule:
             # sequence swapped in and out in one step would undo itself.
             if chunk and seq.grow(chunk, kv, b.copy):
                 self._emit(seq, chunk, b)
-            self._place(seq, chunk == remaining, decodes, chunks)
+            self._place(seq, completes, decodes, chunks)
 
     def _can_swap_in(self, seq: Sequence, chunk: int) -> bool:
         """Room above the watermark for its blocks and for the ones its next chunk adds, so a
