@@ -13,8 +13,6 @@ from pagedserve.pipeline.scheduler.sequence import RUNNING, Sequence
 from pagedserve.pipeline.scheduler.step_outputs import StepOutputs
 
 NO_DRAFTS: list[int] = []
-_TOKEN_IDS = attrgetter("token_ids")
-_FIRST = itemgetter(0)
 
 # (sequence, its sampled token, its row in the result) for the scheduler to apply stop rules to
 Sampled = tuple[Sequence, int, int]
@@ -46,7 +44,7 @@ def advance(b: PlanBuilder, result: StepResult, kv, *, block_size: int, caching:
             seq.token_ids.append(token)
             pending.append((seq, token, row))
     if fills:
-        fills.sort(key=_FIRST)
+        fills.sort(key=itemgetter(0))
         kv.commit_blocks(fills)
     return out, pending, pooled
 
@@ -59,7 +57,7 @@ def _advance_lanes(b: PlanBuilder, token_ids: list[int], out: StepOutputs,
     blocks that filled up, and setting aside lanes that sampled one of their stop ids. The
     output columns are the lanes list itself and the rows' tokens."""
     lanes = b.lanes
-    deque(map(list.append, map(_TOKEN_IDS, lanes), token_ids), 0)
+    deque(map(list.append, map(attrgetter("token_ids"), lanes), token_ids), 0)
     if fills is not None:
         for seq in b.lane_fills:  # the slots of the filled block may have been held lazily
             new = seq.num_computed_tokens

@@ -25,9 +25,6 @@ RETAIN_FINISHED_S = 20.0
 QUARANTINED_IDS = 1024  # request ids remembered as having ended the detokenizer
 
 
-_INDEX = attrgetter("index")
-
-
 @dataclass(slots=True)
 class _Owned:
     client_id: bytes
@@ -328,7 +325,7 @@ class SchedulerService:
         seqs = outputs.seqs
         if seqs:
             batch.request_ids = [seq.request.request_id for seq in seqs]
-            batch.indices = list(map(_INDEX, seqs))
+            batch.indices = list(map(attrgetter("index"), seqs))
             batch.token_ids = outputs.token_ids
             batch.offsets = [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq in seqs]
         batch.prompt_logprobs = [(rid, chunk) for rid, chunk in outputs.prompt_logprobs
