@@ -174,11 +174,6 @@ class Scheduler:
         """The plan whose result `update` takes next (None: no step is with the workers)."""
         return None if self._inflight is None else self._inflight.plan
 
-    @property
-    def step_ahead(self) -> StepPlan | None:
-        """The plan sent behind the step in flight, if any."""
-        return None if self._ahead is None else self._ahead.plan
-
     def schedule_ahead(self) -> StepPlan | None:
         """The next step, planned before the result of the one in flight is back when it can only
         be the same lanes one token on (ARCHITECTURE.md, "Overlapped scheduling"); else None."""

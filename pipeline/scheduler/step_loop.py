@@ -74,7 +74,7 @@ class StepLoop:
         return plan if plan is not None and now - self.inflight_since > self.step_timeout else None
 
     def _plan_ahead(self) -> None:
-        if not self.overlap or self.scheduler.step_ahead is not None:
+        if not self.overlap:  # (schedule_ahead plans nothing while a step ahead is out)
             return
         started = time.perf_counter()
         plan = self.scheduler.schedule_ahead()
