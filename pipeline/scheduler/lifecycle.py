@@ -50,8 +50,7 @@ class RequestLifecycle:
                               num_watermark_blocks=self.kv.watermark_blocks,
                               eos_token_ids=self.eos_token_ids,
                               num_queued=self.num_queued_requests)
-        seq = self._new_seq(state, 0,
-                            list(request.prompt_token_ids) + list(request.output_token_ids))
+        seq = self._new_seq(state, 0, [*request.prompt_token_ids, *request.output_token_ids])
         if self.proposer is not None and state.pooling is None:  # pooling decodes nothing
             p = state.sampling
             state.speculates = not (p.uses_penalties or p.logprobs is not None

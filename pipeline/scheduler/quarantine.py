@@ -37,7 +37,7 @@ class Quarantine:
 
     def begin_trial(self, req: RequestState) -> None:
         """`req` joins a step: a suspect joining is the one on trial."""
-        if self.suspects and req.request_id in self.suspects:
+        if req.request_id in self.suspects:
             self.on_trial = req
 
     def end_trial(self, step_id: int) -> None:
@@ -55,7 +55,6 @@ class Quarantine:
 
     def forget(self, req: RequestState) -> None:
         """`req` finished: it is no longer a suspect, nor on trial."""
-        if self.suspects:
-            self.suspects.pop(req.request_id, None)
-            if self.on_trial is req:
-                self.on_trial = None
+        self.suspects.pop(req.request_id, None)
+        if self.on_trial is req:  # (on trial implies a suspect)
+            self.on_trial = None
