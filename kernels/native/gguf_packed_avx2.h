@@ -1,8 +1,8 @@
 /* gguf_packed.h's panels read with AVX2 (+ F16C): a panel's 16 columns are two ymm halves of 8,
  * half h the bytes 32h .. 32h + 31 of each 64-byte quad. The integer sums and fp32 terms are
- * gguf_wide.h's AVX2 ones column by column (wide_terms), so the bits are the row paths'. The
+ * gguf_wide_avx2.h's column by column (wide_half), so the bits are the row paths'. The
  * weights are read once per pass of up to PACKED_ROWS rows of x, unpacked in registers.
- * Included by gguf_packed.h after gguf_wide.h (quad_of) and gguf_packed_k.h. */
+ * Included by gguf_packed.h after gguf_wide.h (quad_of, the runs) and gguf_packed_k.h. */
 #ifndef PAGEDSERVE_GGUF_PACKED_AVX2_H
 #define PAGEDSERVE_GGUF_PACKED_AVX2_H
 
@@ -11,9 +11,8 @@
 /* what each row's integer sum starts from, times -s: z (its Q8_0 multiplies signed bytes) */
 static inline int packed_offset(int qtype) { return qtype_zero(qtype); }
 #define PACKED_WIDE_MIN_ROWS 8   /* from here on, packed_to_wide + gguf_wide.h's passes */
-/* quads a run adds in int16 lanes (gguf_wide_avx2.h's RUN_ADD): Q8_0's signed products fill an
- * int16 lane alone */
-#define PACKED_RUN(QTYPE) ((QTYPE) == T_Q8_0 ? 1 : RUN_MAX)
+/* quads a run adds in int16 lanes (gguf_wide_avx2.h's quad_run; a constant for a constant type) */
+#define PACKED_RUN(QTYPE) quad_run(qtype_lookup(QTYPE))
 
 /* d and dm of columns 8h .. 8h + 7, as the unpack_* functions derive them */
 static inline void packed_scales8(int qtype, const uint8_t *s, int h, __m256 *d, __m256 *dm) {
@@ -141,9 +140,6 @@ static inline void packed_k_scales8(int qtype, const uint8_t *blk, int h, __m256
     *dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN + 16 * h)));
 }
 
-/* quads a k-quant run adds in int16 lanes: Q6_K's u reach 63, so two (qtype_info's sums16) */
-#define PACKED_K_RUN(QTYPE) ((QTYPE) == T_Q6_K ? 2 : 4)
-
 #define DEFINE_PACKED8_K_ROWS(NAME, QTYPE, ROWS)                                                 \
 static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float *xd,           \
                  const int16_t *xs, const int32_t *xz, float out[PACKED_ROWS][PACKED_COLS],      \
@@ -163,14 +159,14 @@ static void NAME(const uint8_t *panel, int64_t K, const int8_t *xq, const float 
             for (int j = 0; j < 2; j++)                                                          \
                 for (int h = 0; h < 2; h++) packed_k_group8(QTYPE, blk, g + j, h, &sc[j][h], &mc[j][h]); \
             for (int j = 0; j < 2; j++)                                                          \
-                for (int q0 = 4 * (g + j); q0 < 4 * (g + j) + 4; q0 += PACKED_K_RUN(QTYPE))      \
+                for (int q0 = 4 * (g + j); q0 < 4 * (g + j) + 4; q0 += PACKED_RUN(QTYPE))      \
                     for (int h = 0; h < 2; h++) {                                                \
                         __m256i w[4];                                                            \
-                        for (int q = 0; q < PACKED_K_RUN(QTYPE); q++)                            \
+                        for (int q = 0; q < PACKED_RUN(QTYPE); q++)                            \
                             w[q] = packed_k_quad8(QTYPE, blk, q0 + q, h);                        \
                         for (int r = 0; r < ROWS; r++) {                                         \
                             __m256i t = _mm256_setzero_si256();                                  \
-                            for (int q = 0; q < PACKED_K_RUN(QTYPE); q++)                        \
+                            for (int q = 0; q < PACKED_RUN(QTYPE); q++)                        \
                                 t = _mm256_add_epi16(t, _mm256_maddubs_epi16(                    \
                                     w[q], quad_of(xq + r * K + 256 * b + 4 * (q0 + q))));        \
                             i1[r][h] = _mm256_add_epi32(i1[r][h], _mm256_madd_epi16(t, sc[j][h])); \

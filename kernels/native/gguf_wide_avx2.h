@@ -15,17 +15,26 @@ static inline __m256i quad_of(const int8_t *x) {
     return _mm256_set1_epi32(quad);
 }
 
-/* A run: quads whose vpmaddubsw results add up in int16 lanes, widened once (with AVX-VNNI,
- * vpdpbusd widens as it adds, so a run is one quad). Shared with gguf_packed_avx2.h. */
+/* A run: quads whose vpmaddubsw results add up in int16 lanes, widened once. Shared with
+ * gguf_packed_avx2.h. */
+#define RUN_QUADS 4   /* a run's weights stay in registers (Q4's sums16 would allow 8) */
 #if defined(__AVXVNNI__)
 #define RUN_ADD(t, u, a) _mm256_dpbusd_avx_epi32((t), (u), (a))
 #define RUN_WIDEN(t) (t)
-#define RUN_MAX 1
 #else
 #define RUN_ADD(t, u, a) _mm256_add_epi16((t), _mm256_maddubs_epi16((u), (a)))
 #define RUN_WIDEN(t) _mm256_madd_epi16((t), _mm256_set1_epi16(1))
-#define RUN_MAX 4      /* Q4's sums16 allows 8, but 8 quads' weights would not stay in registers */
 #endif
+
+/* quads a run of `info`'s type adds: its sums16 (what an int16 lane holds exactly), at most
+ * RUN_QUADS; with AVX-VNNI one for the 32-element types (RUN_ADD's vpdpbusd widens as it adds;
+ * the k-quants' group scales still take vpmaddubsw + vpmaddwd) */
+static inline int quad_run(const qtype_info *info) {
+#if defined(__AVXVNNI__)
+    if (!info->kquant) return 1;
+#endif
+    return info->sums16 < RUN_QUADS ? info->sums16 : RUN_QUADS;
+}
 
 /* two k-quant groups' mins (int32 per column) as int16 pairs, for one vpmaddwd with two x sums */
 static inline __m256i mins_pair(__m256i mc0, __m256i mc1) {
@@ -40,18 +49,19 @@ static inline __m256i xs_pair(const int16_t *xs) {
     return _mm256_set1_epi32(pair);
 }
 
-/* What a pass is specialised for: the types' integer sums and whether their dm term is zero */
-enum { WK_Q8_0, WK_U4, WK_U4_DM, WK_Q5_0, WK_K4, WK_K6 };
-
+/* The type whose pass runs `info`'s: the same run (the smallest sums16 of its kind), signed
+ * bytes or not, dm term or not. Passes are specialised for these six. */
 static inline int wide_kind(const qtype_info *info) {
-    if (info->kquant) return info->sums16 >= 4 ? WK_K4 : WK_K6;
-    if (info->signed_u) return WK_Q8_0;
-    if (info->sums16 >= 8) return info->zero ? WK_U4 : WK_U4_DM;   /* Q4_0; Q4_1, I4G */
-    return WK_Q5_0;
+    if (info->kquant) return info->sums16 >= 4 ? T_Q5_K : T_Q6_K;     /* Q4_K runs as Q5_K */
+    if (info->signed_u) return T_Q8_0;
+    if (info->sums16 >= 8) return info->zero ? T_Q4_0 : T_Q4_1;      /* I4G runs as Q4_1 */
+    return T_Q5_0;
 }
 
-/* quads a run adds in int16 lanes before it widens */
-#define WK_RUN(kind) ((kind) == WK_K6 ? 2 : (kind) == WK_Q8_0 ? 1 : 4)
+/* a type's dm term is nonzero: the k-quants', and the 32-element types' without a zero point */
+static inline int has_dm(const qtype_info *info) {
+    return info->kquant || (!info->signed_u && !info->zero);
+}
 
 /* one block of a 32-element type: i1[r] for half h's 8 columns (from zero, before z s). A run's
  * weights are loaded once, then each row adds its quads in turn: the registers hold the run, one
@@ -59,20 +69,21 @@ static inline int wide_kind(const qtype_info *info) {
 static inline __attribute__((always_inline)) void wide_block32(
         const wide_panel *p, int kind, int rows, int h, int64_t b, const int8_t *xq, int64_t K,
         __m256i i1[WIDE_ROWS]) {
-    const int run = WK_RUN(kind) < RUN_MAX ? WK_RUN(kind) : RUN_MAX;
+    const qtype_info *k = qtype_lookup(kind);
+    const int run = quad_run(k);
     for (int r = 0; r < rows; r++) i1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1   /* Q8_0: 8 runs of one quad, unrolled with 4 rows, spill */
     for (int q0 = 0; q0 < 8; q0 += run) {
         __m256i w[4], u[4];
         for (int q = 0; q < run; q++) {
             w[q] = _mm256_loadu_si256((const __m256i *)(p->wq + (b * 8 + q0 + q) * WIDE * 4 + 32 * h));
-            u[q] = kind == WK_Q8_0 ? _mm256_abs_epi8(w[q]) : w[q];
+            u[q] = k->signed_u ? _mm256_abs_epi8(w[q]) : w[q];
         }
         for (int r = 0; r < rows; r++) {
             __m256i t = _mm256_setzero_si256();
             for (int q = 0; q < run; q++) {
                 const __m256i xv = quad_of(xq + r * K + 32 * b + 4 * (q0 + q));
-                t = RUN_ADD(t, u[q], kind == WK_Q8_0 ? _mm256_sign_epi8(xv, w[q]) : xv);
+                t = RUN_ADD(t, u[q], k->signed_u ? _mm256_sign_epi8(xv, w[q]) : xv);
             }
             i1[r] = _mm256_add_epi32(i1[r], RUN_WIDEN(t));
         }
@@ -84,7 +95,7 @@ static inline __attribute__((always_inline)) void wide_block32(
 static inline __attribute__((always_inline)) void wide_block_k(
         const wide_panel *p, int kind, int rows, int h, int64_t b, const int8_t *xq,
         const int16_t *xs, int64_t K, __m256i i1[WIDE_ROWS], __m256i i2[WIDE_ROWS]) {
-    const int run = WK_RUN(kind);
+    const int run = quad_run(qtype_lookup(kind));
     for (int r = 0; r < rows; r++) i1[r] = i2[r] = _mm256_setzero_si256();
     for (int64_t g = 16 * b; g < 16 * b + 16; g++) {
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(p->sc + g * WIDE * 2 + 16 * h));
@@ -119,17 +130,18 @@ static inline __attribute__((always_inline)) void wide_half(
         const int8_t *xq, const float *xd, const int16_t *xs, const int32_t *xz, int64_t K,
         float out[WIDE_ROWS][WIDE]) {
     const int64_t blocks = K / info->block;
-    const int has_dm = kind == WK_U4_DM || kind == WK_K4 || kind == WK_K6;
+    const qtype_info *k = qtype_lookup(kind);
+    const int dm_term = has_dm(k);
     __m256 acc[WIDE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m256i i1[WIDE_ROWS], i2[WIDE_ROWS];
-        if (kind == WK_K4 || kind == WK_K6) {
+        if (k->kquant) {
             wide_block_k(p, kind, rows, h, b, xq, xs, K, i1, i2);
         } else {
             wide_block32(p, kind, rows, h, b, xq, K, i1);
             for (int r = 0; r < rows; r++) {
-                if (has_dm || (info->zero && xz == NULL)) {
+                if (dm_term || (info->zero && xz == NULL)) {
                     const int32_t sum = (int32_t)xs[r * (K / 16) + 2 * b] + xs[r * (K / 16) + 2 * b + 1];
                     if (info->zero) i1[r] = _mm256_sub_epi32(i1[r], _mm256_set1_epi32(info->zero * sum));
                     i2[r] = _mm256_set1_epi32(sum);
@@ -143,7 +155,7 @@ static inline __attribute__((always_inline)) void wide_half(
         for (int r = 0; r < rows; r++) {
             const __m256 dav = _mm256_set1_ps(xd[r * blocks + b]);
             const __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(d, dav), _mm256_cvtepi32_ps(i1[r]));
-            acc[r] = _mm256_add_ps(acc[r], has_dm ? _mm256_sub_ps(t1, _mm256_mul_ps(
+            acc[r] = _mm256_add_ps(acc[r], dm_term ? _mm256_sub_ps(t1, _mm256_mul_ps(
                 _mm256_mul_ps(dm, dav), _mm256_cvtepi32_ps(i2[r]))) : t1);
         }
     }
@@ -160,12 +172,12 @@ static void wide_rows_##ROWS(const wide_panel *p, const qtype_info *info, const 
                              const float *xd, const int16_t *xs, const int32_t *xz, int64_t K,   \
                              float out[WIDE_ROWS][WIDE]) {                                       \
     switch (wide_kind(info)) {                                                                   \
-        WIDE_KIND_CASE(WK_Q8_0, ROWS)                                                            \
-        WIDE_KIND_CASE(WK_U4, ROWS)                                                              \
-        WIDE_KIND_CASE(WK_U4_DM, ROWS)                                                           \
-        WIDE_KIND_CASE(WK_Q5_0, ROWS)                                                            \
-        WIDE_KIND_CASE(WK_K4, ROWS)                                                              \
-        default: WIDE_KIND_CASE(WK_K6, ROWS)                                                     \
+        WIDE_KIND_CASE(T_Q8_0, ROWS)                                                             \
+        WIDE_KIND_CASE(T_Q4_0, ROWS)                                                             \
+        WIDE_KIND_CASE(T_Q4_1, ROWS)                                                             \
+        WIDE_KIND_CASE(T_Q5_0, ROWS)                                                             \
+        WIDE_KIND_CASE(T_Q5_K, ROWS)                                                             \
+        default: WIDE_KIND_CASE(T_Q6_K, ROWS)                                                    \
     }                                                                                            \
 }
 DEFINE_WIDE_ROWS(1)

@@ -136,13 +136,10 @@ static inline float block_term(float d, float dm, float da, int32_t i1, int32_t 
 #ifdef __AVX2__
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DOT_U8S8(u, a) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (a))
-#define DOT_U8S8_ACC(acc, u, a) _mm256_dpbusd_epi32((acc), (u), (a))
 #elif defined(__AVXVNNI__)
 #define DOT_U8S8(u, a) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (a))
-#define DOT_U8S8_ACC(acc, u, a) _mm256_dpbusd_avx_epi32((acc), (u), (a))
 #else
 #define DOT_U8S8(u, a) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (a)), _mm256_set1_epi16(1))
-#define DOT_U8S8_ACC(acc, u, a) _mm256_add_epi32((acc), DOT_U8S8((u), (a)))
 #endif
 
 /* the four rows' sums of v[0..3], each a vector of 8 int32 */
