@@ -52,6 +52,18 @@ static inline float block_amax(const float *v, int block, int *finite) {
     }
     *finite = ok == 0xffff;
     return _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4028234e38f);
+    __m256 vmax = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < block; i += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i));
+        ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, big, _CMP_LE_OQ));   /* false for inf, NaN */
+        vmax = _mm256_max_ps(vmax, a);
+    }
+    *finite = _mm256_movemask_ps(ok) == 0xff;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
     float amax = 0.0f;
     *finite = 1;
@@ -71,6 +83,18 @@ static inline int16_t round_group(const float *v, float id, int8_t *q) {
     const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(id)));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qi));
     return (int16_t)_mm512_reduce_add_epi32(qi);
+#elif defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(id);   /* cvtps rounds half to even, as above */
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), scale));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), scale));
+    const __m256i i16 = _mm256_packs_epi32(lo, hi);   /* lanes: lo 0-3 hi 0-3, lo 4-7 hi 4-7 */
+    const __m128i i8 = _mm_packs_epi16(_mm256_castsi256_si128(i16),
+                                       _mm256_extracti128_si256(i16, 1));
+    _mm_storeu_si128((__m128i *)q, _mm_shuffle_epi32(i8, 0xd8));   /* back in order */
+    const __m256i s8 = _mm256_add_epi32(lo, hi);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    return (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
 #else
     int32_t s = 0;
     for (int i = 0; i < 16; i++) {

@@ -92,11 +92,15 @@ def test_activation_quantization_is_the_torch_reference_bit_for_bit(rng):
     x[2, 40] = float("inf")               # a block holding inf: d = NaN, q = 0
     x[3, 300] = float("nan")
     x[4, :] = torch.arange(1024) - 511.5  # ties at .5 round to even
-    for block in (32, 256):
-        got = gl.quantize_native(x, block)
-        want = gl.quantize_ref(x, block)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
-        assert torch.equal(got[1].nan_to_num(-1.0), want[1].nan_to_num(-1.0))
+    for variant in native.VARIANTS:   # the AVX-512, AVX2 and scalar bodies alike
+        if native.variant_unavailable_reason(variant) is not None:
+            continue
+        for block in (32, 256):
+            with native.use_variant(variant):
+                got = gl.quantize_native(x, block)
+            want = gl.quantize_ref(x, block)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), variant
+            assert torch.equal(got[1].nan_to_num(-1.0), want[1].nan_to_num(-1.0)), variant
 
 
 def test_one_and_two_threads_and_every_build_give_the_same_bits(rng):
