@@ -389,8 +389,7 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
     linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
                       xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
-    job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
-    if (job.panels_per_task < 1) job.panels_per_task = 1;
+    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, PACKED_COLS * k * m);
     task_fn run = packed_task;
 #ifdef PACKED_WIDE_MIN_ROWS
     if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;

@@ -444,9 +444,7 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
 #endif
     linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, 1,
                       (n + cols - 1) / cols, 0};
-    /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
-    job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
-    if (job.panels_per_task < 1) job.panels_per_task = 1;
+    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, cols * k * m);
     pa_run_tasks(threads, run, &job,
                  (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
     return job.failed ? -2 : 0;

@@ -102,9 +102,8 @@ void NAME(const T *w, int64_t n, int64_t k, int64_t ldw, T *wp) {               
 static inline void linear_run_panels(linear_job *job, task_fn task, int num_threads) {
     job->num_panels = (job->n + PANEL - 1) / PANEL;
     const int64_t threads = num_threads < 1 ? 1 : num_threads;
-    /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
-    job->panels_per_task = job->num_panels / (threads * 8);
-    if (job->panels_per_task < 1) job->panels_per_task = 1;
+    job->panels_per_task = pa_panels_per_task(job->num_panels, (int)threads,
+                                              PANEL * job->k * job->m);
     const int64_t tasks = (job->num_panels + job->panels_per_task - 1) / job->panels_per_task;
     pa_run_tasks((int)threads, task, job, tasks);
 }

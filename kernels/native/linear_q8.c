@@ -246,9 +246,7 @@ int linear_q8(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *
                   (n + QPANEL - 1) / QPANEL};
     const int threads = num_threads < 1 ? 1 : num_threads;
     pa_run_tasks(threads, quantize_task, &job, (m + QUANT_ROWS - 1) / QUANT_ROWS);
-    /* ~8 tasks per thread: even shares when one thread is slowed, few task claims */
-    job.panels_per_task = job.num_panels / ((int64_t)threads * 8);
-    if (job.panels_per_task < 1) job.panels_per_task = 1;
+    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, QPANEL * k * m);
     const int64_t tasks = (job.num_panels + job.panels_per_task - 1) / job.panels_per_task;
     pa_run_tasks(threads, q8_task, &job, tasks);
     return 0;

@@ -576,6 +576,18 @@ __attribute__((visibility("hidden"))) void pa_run_tasks(int num_threads, task_fn
                                                         int64_t ntasks);
 __attribute__((visibility("hidden"))) float *pa_thread_scratch(int64_t floats);
 
+/* Panels a linear's task takes: ~8 tasks a thread (even shares when one thread is slowed, few
+ * claims), but none of more than TASK_MACS multiply-adds, so that the thread done first waits at
+ * most about one task at the call's end. Many rows make a panel long (the LM head's at 54 rows,
+ * AVX2: ~8 us), and 1/16 of the panels made the wait ms long. */
+#define TASK_MACS (1 << 21)
+static inline int64_t pa_panels_per_task(int64_t num_panels, int threads, int64_t panel_macs) {
+    int64_t per_task = num_panels / ((int64_t)(threads < 1 ? 1 : threads) * 8);
+    const int64_t most = panel_macs > 0 ? TASK_MACS / panel_macs : per_task;
+    if (per_task > most) per_task = most;
+    return per_task < 1 ? 1 : per_task;
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
