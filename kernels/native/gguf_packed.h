@@ -286,9 +286,8 @@ static void packed_task(void *ctx, int64_t task) {
     const packed_rows_fn *rows_fn = packed_rows_for(job->qtype);
     const int64_t K = job->k, blocks = K / qtype_lookup(job->qtype)->block;
     float out[PACKED_ROWS][PACKED_COLS];
-    const int64_t first = task * job->panels_per_task;
-    int64_t last = first + job->panels_per_task;
-    if (last > job->num_panels) last = job->num_panels;
+    int64_t first, last;
+    pa_task_panels(&job->split, task, &first, &last);
     for (int64_t p = first; p < last; p++) {
         const int64_t n0 = p * PACKED_COLS;
         const int live = job->n - n0 < PACKED_COLS ? (int)(job->n - n0) : PACKED_COLS;
@@ -388,8 +387,8 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     int16_t *xs;
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
     linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
-                      xd, xs, m, y, ldy, 1, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
-    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, PACKED_COLS * k * m);
+                      xd, xs, m, y, ldy, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
+    job.split = pa_panel_tasks(job.num_panels, threads, PACKED_COLS * k * m);
     task_fn run = packed_task;
 #ifdef PACKED_WIDE_MIN_ROWS
     if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;
@@ -398,8 +397,7 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
         job.xz = packed_offsets(qtype, xs, m, k);
         if (job.xz == NULL) return -2;
     }
-    pa_run_tasks(threads, run, &job,
-                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
+    pa_run_tasks(threads, run, &job, pa_task_count(&job.split));
     return job.failed ? -2 : 0;
 #else
     return 0;

@@ -271,9 +271,10 @@ typedef struct {
     const int16_t *xs;
     int64_t m;
     float *y;
-    int64_t ldy, panels_per_task, num_panels;
+    int64_t ldy, num_panels;
     int failed;        /* a task could not allocate its rows */
     const int32_t *xz; /* packed 32-element types: each row's block sums times -offset */
+    panel_tasks split; /* the panels each task takes */
 } linear_job;
 
 /* The calling thread's panel for K columns (grown, never shrunk); -1 if it cannot be allocated */
@@ -332,9 +333,8 @@ static void wide_panels(void *ctx, int64_t task, int64_t panel_bytes, wide_sprea
         __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    const int64_t first = task * job->panels_per_task;
-    int64_t last = first + job->panels_per_task;
-    if (last > job->num_panels) last = job->num_panels;
+    int64_t first, last;
+    pa_task_panels(&job->split, task, &first, &last);
     for (int64_t panel_index = first; panel_index < last; panel_index++) {
         const int64_t n0 = panel_index * WIDE;
         const int live = job->n - n0 < WIDE ? (int)(job->n - n0) : WIDE;
@@ -368,9 +368,8 @@ static void linear_task(void *ctx, int64_t task) {
         __atomic_store_n(&((linear_job *)ctx)->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    const int64_t first = task * job->panels_per_task;
-    int64_t last = first + job->panels_per_task;
-    if (last > job->num_panels) last = job->num_panels;
+    int64_t first, last;
+    pa_task_panels(&job->split, task, &first, &last);
     float out[PANEL];
     const direct_fn direct = job->m <= direct_max_rows(job->qtype) ? direct_for(job->qtype) : NULL;
     for (int64_t p = first; p < last; p++) {
@@ -442,11 +441,10 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
         run = wide_task;
     }
 #endif
-    linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, 1,
-                      (n + cols - 1) / cols, 0};
-    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, cols * k * m);
-    pa_run_tasks(threads, run, &job,
-                 (job.num_panels + job.panels_per_task - 1) / job.panels_per_task);
+    linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, (n + cols - 1) / cols,
+                      0};
+    job.split = pa_panel_tasks(job.num_panels, threads, cols * k * m);
+    pa_run_tasks(threads, run, &job, pa_task_count(&job.split));
     return job.failed ? -2 : 0;
 }
 

@@ -22,7 +22,8 @@ typedef struct {
     const float *x;
     const void *wp;
     void *y;
-    int64_t m, k, n, ldx, ldy, panels_per_task, num_panels;
+    int64_t m, k, n, ldx, ldy, num_panels;
+    panel_tasks split;   /* the panels each task takes */
 } linear_job;
 
 /* Rows [0, ROWS) of x against one panel; ROWS is a constant in each instantiation, so the
@@ -60,9 +61,8 @@ DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 5)                                         
 DEFINE_PANEL_ROWS(NAME, WTYPE, LOAD, 6)                                                          \
 static void NAME##_task(void *ctx, int64_t task) {                                               \
     const linear_job *job = ctx;                                                                 \
-    const int64_t first = task * job->panels_per_task;                                           \
-    int64_t last = first + job->panels_per_task;                                                 \
-    if (last > job->num_panels) last = job->num_panels;                                          \
+    int64_t first, last;                                                                         \
+    pa_task_panels(&job->split, task, &first, &last);                                            \
     float out[MAX_ROWS][PANEL];                                                                  \
     for (int64_t p = first; p < last; p++) {                                                     \
         const WTYPE *panel = (const WTYPE *)job->wp + p * job->k * PANEL;                        \
@@ -102,10 +102,8 @@ void NAME(const T *w, int64_t n, int64_t k, int64_t ldw, T *wp) {               
 static inline void linear_run_panels(linear_job *job, task_fn task, int num_threads) {
     job->num_panels = (job->n + PANEL - 1) / PANEL;
     const int64_t threads = num_threads < 1 ? 1 : num_threads;
-    job->panels_per_task = pa_panels_per_task(job->num_panels, (int)threads,
-                                              PANEL * job->k * job->m);
-    const int64_t tasks = (job->num_panels + job->panels_per_task - 1) / job->panels_per_task;
-    pa_run_tasks((int)threads, task, job, tasks);
+    job->split = pa_panel_tasks(job->num_panels, (int)threads, PANEL * job->k * job->m);
+    pa_run_tasks((int)threads, task, job, pa_task_count(&job->split));
 }
 
 #endif

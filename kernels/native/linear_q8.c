@@ -50,7 +50,8 @@ typedef struct {
     const uint8_t *wq;
     const float *ws;
     float *y;
-    int64_t m, k, n, ldx, ldy, panels_per_task, num_panels;
+    int64_t m, k, n, ldx, ldy, num_panels;
+    panel_tasks split;   /* the panels each task takes */
 } q8_job;
 
 /* ---- activation quantization ---------------------------------------------------------- */
@@ -206,9 +207,8 @@ static void q8_panel_rows(const int8_t *xq, const float *xs, const int32_t *xc, 
 static void q8_task(void *ctx, int64_t task) {
     const q8_job *job = ctx;
     const int64_t K = job->k, blocks = K / QB;
-    const int64_t first = task * job->panels_per_task;
-    int64_t last = first + job->panels_per_task;
-    if (last > job->num_panels) last = job->num_panels;
+    int64_t first, last;
+    pa_task_panels(&job->split, task, &first, &last);
     float out[QROWS][QPANEL];
     for (int64_t p = first; p < last; p++) {
         const uint8_t *panel = job->wq + p * K * QPANEL;
@@ -242,13 +242,12 @@ int linear_q8(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *
     int8_t *scratch = q8_scratch(xq_bytes + m * blocks * 8);
     if (scratch == NULL) return -2;
     float *xs = (float *)(scratch + xq_bytes);
-    q8_job job = {x, scratch, xs, (int32_t *)(xs + m * blocks), wq, ws, y, m, k, n, ldx, ldy, 1,
+    q8_job job = {x, scratch, xs, (int32_t *)(xs + m * blocks), wq, ws, y, m, k, n, ldx, ldy,
                   (n + QPANEL - 1) / QPANEL};
     const int threads = num_threads < 1 ? 1 : num_threads;
     pa_run_tasks(threads, quantize_task, &job, (m + QUANT_ROWS - 1) / QUANT_ROWS);
-    job.panels_per_task = pa_panels_per_task(job.num_panels, threads, QPANEL * k * m);
-    const int64_t tasks = (job.num_panels + job.panels_per_task - 1) / job.panels_per_task;
-    pa_run_tasks(threads, q8_task, &job, tasks);
+    job.split = pa_panel_tasks(job.num_panels, threads, QPANEL * k * m);
+    pa_run_tasks(threads, q8_task, &job, pa_task_count(&job.split));
     return 0;
 }
 

@@ -576,16 +576,33 @@ __attribute__((visibility("hidden"))) void pa_run_tasks(int num_threads, task_fn
                                                         int64_t ntasks);
 __attribute__((visibility("hidden"))) float *pa_thread_scratch(int64_t floats);
 
-/* Panels a linear's task takes: ~8 tasks a thread (even shares when one thread is slowed, few
- * claims), but none of more than TASK_MACS multiply-adds, so that the thread done first waits at
- * most about one task at the call's end. Many rows make a panel long (the LM head's at 54 rows,
- * AVX2: ~8 us), and 1/16 of the panels made the wait ms long. */
-#define TASK_MACS (1 << 21)
-static inline int64_t pa_panels_per_task(int64_t num_panels, int threads, int64_t panel_macs) {
-    int64_t per_task = num_panels / ((int64_t)(threads < 1 ? 1 : threads) * 8);
-    const int64_t most = panel_macs > 0 ? TASK_MACS / panel_macs : per_task;
-    if (per_task > most) per_task = most;
-    return per_task < 1 ? 1 : per_task;
+/* A linear's panels as tasks: ~8 a thread of `per` panels each (even shares when one thread is
+ * slowed, few claims, and a task prefetches its next panel), then the last ~1/8 of the panels in
+ * small tasks of about TAIL_MACS multiply-adds (one panel when rows make a panel long). Tasks are
+ * claimed in order, so the small ones come last and even out the threads' ends: the thread done
+ * first waits about one small task, not one big one (at 54 rows, AVX2, a big task of the LM head
+ * was ~4.7 ms). */
+#define TAIL_MACS (1 << 18)
+typedef struct { int64_t per, tail_per, big_tasks, big_end, num_panels; } panel_tasks;
+static inline panel_tasks pa_panel_tasks(int64_t num_panels, int threads, int64_t panel_macs) {
+    panel_tasks t = {num_panels / ((int64_t)(threads < 1 ? 1 : threads) * 8), 1, 0, 0, num_panels};
+    if (t.per < 1) t.per = 1;
+    if (panel_macs > 0 && panel_macs < TAIL_MACS) t.tail_per = TAIL_MACS / panel_macs;
+    if (t.tail_per > t.per) t.tail_per = t.per;
+    t.big_tasks = (num_panels - num_panels / 8) / t.per;
+    t.big_end = t.big_tasks * t.per;
+    return t;
+}
+static inline int64_t pa_task_count(const panel_tasks *t) {
+    return t->big_tasks + (t->num_panels - t->big_end + t->tail_per - 1) / t->tail_per;
+}
+/* task's panels: [*first, *last) */
+static inline void pa_task_panels(const panel_tasks *t, int64_t task, int64_t *first,
+                                  int64_t *last) {
+    const int big = task < t->big_tasks;
+    *first = big ? task * t->per : t->big_end + (task - t->big_tasks) * t->tail_per;
+    *last = *first + (big ? t->per : t->tail_per);
+    if (*last > t->num_panels) *last = t->num_panels;
 }
 
 typedef struct {
