@@ -114,14 +114,24 @@ static void wide_unpack(const qtype_info *info, const uint8_t *w, int64_t stride
 #endif
 
 /* y[t][n0 .. n0 + live) for every row t of x, one wide panel; xz: each row's block sums times
- * -z where the caller has them (NULL: the passes derive them from xs) */
+ * -z where the caller has them (NULL: the passes derive them from xs). The next panel's
+ * next_bytes (next: NULL for none) are prefetched a slice a pass, so that the requests are
+ * spread over the panel's time rather than a burst that stalls on full miss buffers. */
 static void wide_panel_all_rows(const wide_panel *p, const qtype_info *info, const int8_t *xq,
                                 const float *xd, const int16_t *xs, const int32_t *xz, int64_t m,
-                                int64_t K, float *y, int64_t ldy, int64_t n0, int live) {
+                                int64_t K, float *y, int64_t ldy, int64_t n0, int live,
+                                const uint8_t *next, int64_t next_bytes) {
     float out[WIDE_ROWS][WIDE];
     const int64_t blocks = K / info->block;
+    const int64_t passes = (m + WIDE_ROWS - 1) / WIDE_ROWS;
+    const int64_t slice = (next_bytes / passes + 64) / 64 * 64;
     for (int64_t t = 0; t < m; t += WIDE_ROWS) {
         const int64_t rows = m - t < WIDE_ROWS ? m - t : WIDE_ROWS;
+        if (next != NULL) {
+            const int64_t at = t / WIDE_ROWS * slice;
+            if (at < next_bytes)
+                prefetch_bytes(next + at, at + slice < next_bytes ? slice : next_bytes - at);
+        }
         const int8_t *x = xq + t * K;
         const float *d = xd + t * blocks;
         const int16_t *s = xs + t * (K / 16);

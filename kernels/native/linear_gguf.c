@@ -340,10 +340,10 @@ static void wide_panels(void *ctx, int64_t task, int64_t panel_bytes, wide_sprea
         const int live = job->n - n0 < WIDE ? (int)(job->n - n0) : WIDE;
         const uint8_t *panel = job->w + panel_index * panel_bytes;
         spread(job, panel, live, &p);
-        if (panel_index + 1 < last)   /* the next panel's bytes arrive while this one computes */
-            prefetch_bytes(panel + panel_bytes, panel_bytes);
+        /* the next panel's bytes arrive while this one computes */
         wide_panel_all_rows(&p, job->info, job->xq, job->xd, job->xs, job->xz, job->m, job->k,
-                            job->y, job->ldy, n0, live);
+                            job->y, job->ldy, n0, live,
+                            panel_index + 1 < last ? panel + panel_bytes : NULL, panel_bytes);
     }
 }
 
