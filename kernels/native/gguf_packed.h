@@ -387,8 +387,8 @@ int gguf_packed_linear(int qtype, const uint8_t *packed, int64_t n, int64_t k, c
     int16_t *xs;
     if (quantize_x(info->block, x, m, k, ldx, threads, &xq, &xd, &xs) != 0) return -2;
     linear_job job = {info, qtype, packed, n, k, k / info->block * packed_block_bytes(qtype), xq,
-                      xd, xs, m, y, ldy, (n + PACKED_COLS - 1) / PACKED_COLS, 0, NULL};
-    job.split = pa_panel_tasks(job.num_panels, threads, PACKED_COLS * k * m);
+                      xd, xs, m, y, ldy, 0, NULL};
+    job.split = pa_panel_tasks((n + PACKED_COLS - 1) / PACKED_COLS, threads, PACKED_COLS * k * m);
     task_fn run = packed_task;
 #ifdef PACKED_WIDE_MIN_ROWS
     if (m >= PACKED_WIDE_MIN_ROWS) run = packed_wide_task;

@@ -35,7 +35,7 @@ int linear_bf16(const bf16_t *x, int64_t m, int64_t k, int64_t ldx, const bf16_t
     if (m < 1 || k < 1 || n < 1 || ldx < k || ldy < n) return -1;
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = 0; c < k; c++) xf[r * k + c] = load_bf16(x + r * ldx, c);
-    linear_job job = {xf, wp, y, m, k, n, k, ldy, 0};
+    linear_job job = {xf, wp, y, m, k, n, k, ldy};
     linear_run_panels(&job, bf16_task, num_threads);
     return 0;
 }

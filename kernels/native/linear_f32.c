@@ -25,7 +25,7 @@ DEFINE_PANEL_PACK(linear_pack_f32, float)
 int linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wp,
                int64_t n, float *y, int64_t ldy, int num_threads) {
     if (m < 1 || k < 1 || n < 1 || ldx < k || ldy < n) return -1;
-    linear_job job = {x, wp, y, m, k, n, ldx, ldy, 0};
+    linear_job job = {x, wp, y, m, k, n, ldx, ldy};
     linear_run_panels(&job, f32_task, num_threads);
     return 0;
 }

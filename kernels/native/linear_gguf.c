@@ -271,7 +271,7 @@ typedef struct {
     const int16_t *xs;
     int64_t m;
     float *y;
-    int64_t ldy, num_panels;
+    int64_t ldy;
     int failed;        /* a task could not allocate its rows */
     const int32_t *xz; /* packed 32-element types: each row's block sums times -offset */
     panel_tasks split; /* the panels each task takes */
@@ -441,9 +441,8 @@ int gguf_linear(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t w_str
         run = wide_task;
     }
 #endif
-    linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, (n + cols - 1) / cols,
-                      0};
-    job.split = pa_panel_tasks(job.num_panels, threads, cols * k * m);
+    linear_job job = {info, qtype, w, n, k, w_stride, xq, xd, xs, m, y, ldy, 0};
+    job.split = pa_panel_tasks((n + cols - 1) / cols, threads, cols * k * m);
     pa_run_tasks(threads, run, &job, pa_task_count(&job.split));
     return job.failed ? -2 : 0;
 }

@@ -22,7 +22,7 @@ typedef struct {
     const float *x;
     const void *wp;
     void *y;
-    int64_t m, k, n, ldx, ldy, num_panels;
+    int64_t m, k, n, ldx, ldy;
     panel_tasks split;   /* the panels each task takes */
 } linear_job;
 
@@ -100,9 +100,9 @@ void NAME(const T *w, int64_t n, int64_t k, int64_t ldw, T *wp) {               
 
 /* Run `task` over the panels of job (m, k, n, strides and pointers set) on `num_threads`. */
 static inline void linear_run_panels(linear_job *job, task_fn task, int num_threads) {
-    job->num_panels = (job->n + PANEL - 1) / PANEL;
     const int64_t threads = num_threads < 1 ? 1 : num_threads;
-    job->split = pa_panel_tasks(job->num_panels, (int)threads, PANEL * job->k * job->m);
+    job->split = pa_panel_tasks((job->n + PANEL - 1) / PANEL, (int)threads,
+                                PANEL * job->k * job->m);
     pa_run_tasks((int)threads, task, job, pa_task_count(&job->split));
 }
 

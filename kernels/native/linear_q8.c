@@ -50,7 +50,7 @@ typedef struct {
     const uint8_t *wq;
     const float *ws;
     float *y;
-    int64_t m, k, n, ldx, ldy, num_panels;
+    int64_t m, k, n, ldx, ldy;
     panel_tasks split;   /* the panels each task takes */
 } q8_job;
 
@@ -242,11 +242,10 @@ int linear_q8(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *
     int8_t *scratch = q8_scratch(xq_bytes + m * blocks * 8);
     if (scratch == NULL) return -2;
     float *xs = (float *)(scratch + xq_bytes);
-    q8_job job = {x, scratch, xs, (int32_t *)(xs + m * blocks), wq, ws, y, m, k, n, ldx, ldy,
-                  (n + QPANEL - 1) / QPANEL};
+    q8_job job = {x, scratch, xs, (int32_t *)(xs + m * blocks), wq, ws, y, m, k, n, ldx, ldy};
     const int threads = num_threads < 1 ? 1 : num_threads;
     pa_run_tasks(threads, quantize_task, &job, (m + QUANT_ROWS - 1) / QUANT_ROWS);
-    job.split = pa_panel_tasks(job.num_panels, threads, QPANEL * k * m);
+    job.split = pa_panel_tasks((n + QPANEL - 1) / QPANEL, threads, QPANEL * k * m);
     pa_run_tasks(threads, q8_task, &job, pa_task_count(&job.split));
     return 0;
 }
