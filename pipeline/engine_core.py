@@ -80,7 +80,7 @@ class EngineCore:
     def build(cls, config: EngineConfig) -> "EngineCore":
         """Resolve the model (if the config does not say yet), build the worker rank and the
         tokenizer, and the scheduler over the blocks the worker holds."""
-        from pagedserve.pipeline.launch import resolve_model
+        from pagedserve.pipeline.model_resolution import resolve_model
         from pagedserve.pipeline.tokenizer import load_tokenizer
         from pagedserve.workers.build import build_core
         if not config.model_info.resolved:

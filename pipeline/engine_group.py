@@ -21,7 +21,7 @@ class EngineGroup:
     """A launcher subprocess running one engine group, with its socket addresses."""
 
     def __init__(self, **engine_kwargs: Any):
-        from pagedserve.pipeline.launch import resolve_model
+        from pagedserve.pipeline.model_resolution import resolve_model
         from pagedserve.pipeline.tokenizer import load_tokenizer
 
         engine_kwargs.setdefault("http", False)

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
 
-    from pagedserve.pipeline.launch import resolve_model
+    from pagedserve.pipeline.model_resolution import resolve_model
     from pagedserve.pipeline.config import EngineConfig
     from pagedserve.pipeline.tokenizer import load_tokenizer
     config = EngineConfig.from_kwargs(model=args.model)

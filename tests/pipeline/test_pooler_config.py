@@ -61,7 +61,7 @@ def test_dimensions_and_truncation():
 
 def test_an_encoder_refuses_a_context_past_its_positions(tmp_path, monkeypatch):
     from transformers import BertConfig, BertModel
-    from pagedserve.pipeline.launch import resolve_model
+    from pagedserve.pipeline.model_resolution import resolve_model
     BertModel(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1,
                          num_attention_heads=2, intermediate_size=16,
                          max_position_embeddings=32)).save_pretrained(tmp_path)

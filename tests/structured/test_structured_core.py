@@ -216,7 +216,7 @@ def test_preempted_constrained_sequences_continue_exactly(tiny_dir, core):
     config = EngineConfig.from_kwargs(model=str(tiny_dir), dtype="float32", kv_cache_memory="8MiB",
                                       block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                                       swap_space=0.0, preemption_mode="recompute")
-    from pagedserve.pipeline.launch import resolve_model
+    from pagedserve.pipeline.model_resolution import resolve_model
     resolve_model(config)
     worker, _, _ = build_core(config, 0, shared_swap=False)
     small = EngineCore(config, worker, 18, 0, core.detokenizer.tokenizer)
