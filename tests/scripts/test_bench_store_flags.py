@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 SCRIPTS = ["bench_scheduler", "bench_kvmanager", "bench_kernels", "bench_step",
            "bench_throughput", "bench_serving", "compare_llama_server", "bench_decode_replay",
-           "profile_step", "bench_perplexity", "bench_lora", "ab_commits"]
+           "profile_step", "bench_perplexity", "bench_lora", "ab_commits", "bench_isa_limits"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
