@@ -37,7 +37,8 @@ SHAPES = {"q5_0": (QType.Q5_0, 9728, 896, 0), "q6_k": (QType.Q6_K, 896, 4864, 20
           "q8_0": (QType.Q8_0, 151936, 896, 0)}
 
 
-def compile_loops(directory: Path) -> ctypes.CDLL:
+def compile_loops(directory: Path) -> dict:
+    """The loops of isa_limits.c by name, each `fn(iterations) -> checksum`."""
     compiler = build.find_compiler()
     if compiler is None:
         raise SystemExit("bench_isa_limits: no C compiler")
@@ -46,12 +47,14 @@ def compile_loops(directory: Path) -> ctypes.CDLL:
                     "-o", str(out), str(Path(__file__).with_name("isa_limits.c"))], check=True)
     lib = ctypes.CDLL(str(out))
     lib.isa_limits_init()
-    return lib
+    loops = {}
+    for name in (*SHAPES, "int16"):
+        fn = loops[name] = getattr(lib, f"isa_limits_{name}")
+        fn.restype, fn.argtypes = ctypes.c_float, (ctypes.c_long,)
+    return loops
 
 
-def loop_rate(lib: ctypes.CDLL, name: str, iters: int) -> float:
-    fn = getattr(lib, f"isa_limits_{name}")
-    fn.restype, fn.argtypes = ctypes.c_float, (ctypes.c_long,)
+def loop_rate(fn, iters: int) -> float:
     started = time.perf_counter()
     fn(iters)
     return iters * MACS_PER_ITER / (time.perf_counter() - started) / 1e9
@@ -87,20 +90,20 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     report: dict = {"rows": args.rows, "threads": 1, "native_variant": "avx2", "unit": "G MAC/s"}
     with tempfile.TemporaryDirectory() as tmp:
-        lib = compile_loops(Path(tmp))
+        loops = compile_loops(Path(tmp))
         for name, (qtype, n, k, scale_at) in SHAPES.items():
             bound = gl.BoundLinear(gl.pack(random_weight(qtype, n, k, scale_at, gen)))
             x, out = torch.randn(args.rows, k, generator=gen), torch.empty(args.rows, n)
             bound(x, out, 1)
             loop = kernel = 0.0
             for _ in range(args.repeats):       # alternated: both see the same host
-                loop = max(loop, loop_rate(lib, name, args.iters))
+                loop = max(loop, loop_rate(loops[name], args.iters))
                 kernel = max(kernel, kernel_rate(bound, x, out))
             report[name] = {"shape": f"{n}x{k}", "loop": round(loop, 1), "kernel": round(kernel, 1),
                             "kernel_share": round(kernel / loop, 3)}
             print(f"{name} {n}x{k}, {args.rows} rows: loop {loop:.1f}, kernel {kernel:.1f} "
                   f"G MAC/s ({kernel / loop:.0%})", file=sys.stderr)
-        report["int16_loop"] = round(max(loop_rate(lib, "int16", args.iters)
+        report["int16_loop"] = round(max(loop_rate(loops["int16"], args.iters)
                                          for _ in range(args.repeats)), 1)
     bench_record.finish("bench_isa_limits", report, args.no_store, argv)
     return report

@@ -25,9 +25,19 @@ static inline __m256i quad(const int8_t *x) {
     return _mm256_set1_epi32(q);
 }
 
-static inline __m256 tail(__m256 acc, __m256i i1, float d_row, __m256 d) {
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(d_row)),
-                                            _mm256_cvtepi32_ps(i1)));
+/* a block's fp32 terms, as the kernel adds them: acc[r] += (d d_r) I1[r] for each of the 4 rows */
+static inline void block_terms(__m256 acc[4], const __m256i i1[4], long it) {
+    const __m256 d = _mm256_loadu_ps(scales + (it % 64) * 8);
+    for (int r = 0; r < 4; r++)
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(scales[(it + r) % 64])),
+                                                     _mm256_cvtepi32_ps(i1[r])));
+}
+
+/* every row's sums into one number, so that none of the work can be dropped */
+static inline float checksum(const __m256 acc[4]) {
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    return out[0] + out[7];
 }
 
 float isa_limits_q8_0(long iters) {
@@ -44,12 +54,9 @@ float isa_limits_q8_0(long iters) {
                 i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
                     u, _mm256_sign_epi8(quad(xq + xa + 64 * r + 4 * q), w)), ones));
         }
-        const __m256 d = _mm256_loadu_ps(scales + (it % 64) * 8);
-        for (int r = 0; r < 4; r++) acc[r] = tail(acc[r], i1[r], scales[(it + r) % 64], d);
+        block_terms(acc, i1, it);
     }
-    float out[8];
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    return out[0] + out[7];
+    return checksum(acc);
 }
 
 float isa_limits_q5_0(long iters) {
@@ -71,12 +78,9 @@ float isa_limits_q5_0(long iters) {
                 i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(t, ones));
             }
         }
-        const __m256 d = _mm256_loadu_ps(scales + (it % 64) * 8);
-        for (int r = 0; r < 4; r++) acc[r] = tail(acc[r], i1[r], scales[(it + r) % 64], d);
+        block_terms(acc, i1, it);
     }
-    float out[8];
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    return out[0] + out[7];
+    return checksum(acc);
 }
 
 float isa_limits_int16(long iters) {
@@ -90,12 +94,9 @@ float isa_limits_int16(long iters) {
             for (int r = 0; r < 4; r++)
                 i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(w, quad(xq + xa + 64 * r + 4 * p)));
         }
-        const __m256 d = _mm256_loadu_ps(scales + (it % 64) * 8);
-        for (int r = 0; r < 4; r++) acc[r] = tail(acc[r], i1[r], scales[(it + r) % 64], d);
+        block_terms(acc, i1, it);
     }
-    float out[8];
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    return out[0] + out[7];
+    return checksum(acc);
 }
 
 /* Q6_K: runs of 2 quads, each run widened by its group's scales; two groups' mins in one
